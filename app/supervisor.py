@@ -1,0 +1,175 @@
+"""The supervisor: starts the processes, waits until all are ready, watches them, stops them.
+
+Policy: any child that dies brings the whole appliance down with a non-zero exit (the
+container's restart policy restarts it; there are no half-alive states). SIGTERM or SIGINT
+drains: the HTTP process stops admitting and lets in-flight requests finish up to
+--drain-timeout, then the children stop in order (http, tokenizer, scheduler, workers) and the
+supervisor exits 0. Children die with the supervisor even if it is SIGKILLed (PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import tempfile
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from app import ipc, lifecycle
+from app import protocol as p
+from app.ipc import Endpoints
+
+log = logging.getLogger("tokenspeed.supervisor")
+
+STOP_GRACE_SECONDS = 5.0
+
+
+@dataclass
+class Child:
+    name: str
+    process: mp.process.BaseProcess
+
+
+class Supervisor:
+    def __init__(self, settings) -> None:
+        self.settings = settings
+        self.runtime_dir = tempfile.mkdtemp(prefix="tokenspeed-")
+        os.chmod(self.runtime_dir, 0o700)
+        self.endpoints = Endpoints(self.runtime_dir)
+        self.ctx = zmq.Context()
+        self.inbox = ipc.bind_pull(self.ctx, self.endpoints.inbox("supervisor"))
+        self.children: list[Child] = []
+        self.stop_requested = False
+        self.ready_info: dict[str, dict] = {}
+
+    # ------------------------------------------------------------------ start
+
+    def start_children(self) -> None:
+        from app.http.server import run_http
+        from app.scheduler.process import run_scheduler
+        from app.tokenizer.process import run_tokenizer
+        from app.worker.process import run_worker
+
+        spawn = mp.get_context("spawn")
+        targets = [("http", run_http, ()), ("tokenizer", run_tokenizer, ()), ("scheduler", run_scheduler, ())]
+        targets += [(f"worker{r}", run_worker, (r,)) for r in range(self.world_size)]
+        for name, target, extra in targets:
+            proc = spawn.Process(target=target, args=(self.settings, self.endpoints, *extra), name=name)
+            proc.start()
+            self.children.append(Child(name, proc))
+            log.info("started %s (pid %d)", name, proc.pid)
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    def wait_ready(self) -> bool:
+        """Collect every child's ProcessReady; False if one died, a stop came, or time ran out."""
+        expected = {c.name for c in self.children}
+        deadline = time.monotonic() + self.settings.engine_startup_timeout
+        while set(self.ready_info) != expected:
+            if self.stop_requested or self._dead_child() is not None:
+                return False
+            if time.monotonic() > deadline:
+                missing = sorted(expected - set(self.ready_info))
+                log.error("start-up timed out after %ss waiting for %s", self.settings.engine_startup_timeout, missing)
+                return False
+            if self.inbox.poll(200):
+                msg = ipc.recv(self.inbox)
+                if isinstance(msg, p.ProcessReady):
+                    self.ready_info[msg.name] = msg.info
+                    log.info("%s is ready", msg.name)
+        return True
+
+    def announce_ready(self, started: float) -> None:
+        worker = self.ready_info.get("worker0", {})
+        info = {**worker, **self.ready_info.get("tokenizer", {}), "startup_seconds": time.time() - started}
+        for name in ("tokenizer", "http"):
+            push = ipc.connect_push(self.ctx, self.endpoints.inbox(name))
+            ipc.send(push, p.EngineReady(info))
+            push.close(linger=1000)
+        s = self.settings
+        log.info("ready on http://%s:%d in %.1f s (serving %s)", s.host, s.port, info["startup_seconds"], s.served_model_name)
+
+    # ------------------------------------------------------------------ watch and stop
+
+    def _dead_child(self) -> Child | None:
+        for child in self.children:
+            if not child.process.is_alive():
+                code = child.process.exitcode
+                log.error("%s (pid %d) died with exit code %s", child.name, child.process.pid, code)
+                return child
+        return None
+
+    def watch(self) -> int:
+        """Block until a child dies (return 1) or a stop is requested (return 0)."""
+        sentinels = [c.process.sentinel for c in self.children]
+        while not self.stop_requested:
+            multiprocessing.connection.wait(sentinels, timeout=0.5)
+            if self._dead_child() is not None:
+                return 1
+        return 0
+
+    def drain_and_stop(self) -> None:
+        """SIGTERM to http (it drains), then stop the rest in pipeline order."""
+        http = next((c for c in self.children if c.name == "http"), None)
+        if http is not None and http.process.is_alive():
+            log.info("draining: waiting up to %ss for in-flight requests", self.settings.drain_timeout)
+            os.kill(http.process.pid, signal.SIGTERM)
+            http.process.join(self.settings.drain_timeout + STOP_GRACE_SECONDS)
+        self.stop_all()
+
+    def stop_all(self) -> None:
+        order = {"http": 0, "tokenizer": 1, "scheduler": 2}
+        for child in sorted(self.children, key=lambda c: order.get(c.name, 3)):
+            proc = child.process
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(STOP_GRACE_SECONDS)
+            if proc.is_alive():
+                log.warning("%s did not stop in %ss: killing it", child.name, STOP_GRACE_SECONDS)
+                proc.kill()
+                proc.join()
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=0)
+        shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+
+def serve(settings) -> int:
+    """Run the appliance until a signal (exit 0) or a child failure (exit 1)."""
+    lifecycle.configure_logging(settings.log_level, "supervisor")
+    started = time.time()
+    sup = Supervisor(settings)
+
+    def request_stop(signum, _frame) -> None:
+        log.info("received %s: shutting down", signal.Signals(signum).name)
+        sup.stop_requested = True
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    try:
+        sup.start_children()
+        if not sup.wait_ready():
+            if sup.stop_requested:
+                sup.stop_all()
+                return 0
+            sup.stop_all()
+            return 1
+        sup.announce_ready(started)
+        code = sup.watch()
+        if code == 0:
+            sup.drain_and_stop()
+        else:
+            sup.stop_all()
+        log.info("stopped (exit code %d)", code)
+        return code
+    finally:
+        sup.stop_all()
+        sup.close()

@@ -1,0 +1,44 @@
+"""Logit processing before temperature: bad-row detection, logit bias, token masking, penalties.
+
+Every function works on float32 [n, V] rows; the per-row parameters are [n] device tensors. A row
+whose parameters mean "off" (penalty 1 or 0) comes out bit-identical, so mixed batches can be
+processed with one vectorised call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def find_bad_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[B] bool: rows holding NaN or +inf, or with every entry -inf (nothing can be sampled).
+
+    One max-reduction covers all three cases: max propagates NaN.
+    """
+    row_max = logits.amax(dim=-1)
+    return torch.isnan(row_max) | torch.isinf(row_max)
+
+
+def add_logit_bias(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, bias: torch.Tensor) -> None:
+    """logits[rows[i], tokens[i]] += bias[i], in place (pairs flattened over the batch)."""
+    logits.index_put_((rows, tokens), bias, accumulate=True)
+
+
+def mask_tokens(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+    """logits[rows[i], tokens[i]] = -inf, in place."""
+    logits[rows, tokens] = -torch.inf
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    """HF semantics: over seen tokens, positive logits are divided by the penalty, others multiplied."""
+    p = penalty.unsqueeze(1)
+    penalised = torch.where(logits > 0, logits / p, logits * p)
+    return torch.where(seen, penalised, logits)
+
+
+def apply_presence_frequency(
+    logits: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor
+) -> torch.Tensor:
+    """OpenAI semantics over output tokens: logit -= presence * (count > 0) + frequency * count."""
+    present = (counts > 0).to(logits.dtype)
+    return logits - presence.unsqueeze(1) * present - frequency.unsqueeze(1) * counts.to(logits.dtype)

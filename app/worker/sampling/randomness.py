@@ -1,0 +1,56 @@
+"""Random draws for sampling: the exponential race (Gumbel-max) with per-sequence generators.
+
+Sampling token i with probability softmax(x)_i is argmax_i(x_i - log E_i) with E_i ~ Exp(1) drawn
+independently: one [V] draw per row, no cumulative sums, and masked (-inf) tokens can never win.
+
+Seeded sequences own a torch.Generator on the device. Before each draw it is re-seeded from
+(seed, position), where position is the number of tokens the sequence has output so far: the
+token at a position then depends only on the seed, the position and the row's logits, whatever
+else is in the batch, whatever the row's index, and across a preemption (no draws to replay).
+Unseeded rows share one generator seeded from the process-wide seed, so runs are reproducible.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(value: int) -> int:
+    z = (value + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def position_seed(seed: int, position: int) -> int:
+    """A well-mixed 63-bit generator seed for output `position` of a sequence seeded with `seed`.
+
+    All 64 bits are mixed (CPU generators use only the low 32, CUDA's Philox all 64).
+    """
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ position) >> 1
+
+
+def gumbel_noise(
+    vocab_size: int,
+    num_shared: int,
+    shared: torch.Generator,
+    seeded: list[tuple[torch.Generator, int]],
+    device: torch.device,
+) -> torch.Tensor:
+    """[num_shared + len(seeded), V] float32 Gumbel noise, -log(E) with E ~ Exp(1).
+
+    The first num_shared rows come from the shared generator in one draw; each (generator, seed)
+    of `seeded` is re-seeded and fills one row of its own (a fresh [V] tensor, so its values never
+    depend on where the row lands in memory).
+    """
+    noise = torch.empty((num_shared + len(seeded), vocab_size), dtype=torch.float32, device=device)
+    if num_shared:
+        noise[:num_shared].exponential_(generator=shared)
+    for i, (generator, seed) in enumerate(seeded):
+        generator.manual_seed(seed)
+        row = torch.empty(vocab_size, dtype=torch.float32, device=device).exponential_(generator=generator)
+        noise[num_shared + i] = row
+    # E == 0 would give +inf noise: clamp so a zero-probability (-inf) token can never win.
+    return noise.clamp_min_(torch.finfo(torch.float32).tiny).log_().neg_()

@@ -159,8 +159,10 @@ def prepare(out: Path) -> bool:
             (staging / MARKER).write_text(json.dumps({"package": PACKAGE, "version": PACKAGE_VERSION}) + "\n")
             _make_readable(staging)
             staging.rename(out)
-        except BaseException:
+        except BaseException as exc:
             shutil.rmtree(staging, ignore_errors=True)
+            if isinstance(exc, OSError) and is_complete(out):  # a concurrent run renamed first
+                return False
             raise
     return True
 

@@ -19,7 +19,9 @@ def find_bad_rows(logits: torch.Tensor) -> torch.Tensor:
     return torch.isnan(row_max) | torch.isinf(row_max)
 
 
-def add_logit_bias(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, bias: torch.Tensor) -> None:
+def add_logit_bias(
+    logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, bias: torch.Tensor
+) -> None:
     """logits[rows[i], tokens[i]] += bias[i], in place (pairs flattened over the batch)."""
     logits.index_put_((rows, tokens), bias, accumulate=True)
 

@@ -42,15 +42,14 @@ def gumbel_noise(
     """[num_shared + len(seeded), V] float32 Gumbel noise, -log(E) with E ~ Exp(1).
 
     The first num_shared rows come from the shared generator in one draw; each (generator, seed)
-    of `seeded` is re-seeded and fills one row of its own (a fresh [V] tensor, so its values never
-    depend on where the row lands in memory).
+    of `seeded` is re-seeded and fills one row of its own (a contiguous [V] draw, whose values do
+    not depend on where the row lies: a test checks it on every device it runs on).
     """
     noise = torch.empty((num_shared + len(seeded), vocab_size), dtype=torch.float32, device=device)
     if num_shared:
         noise[:num_shared].exponential_(generator=shared)
     for i, (generator, seed) in enumerate(seeded):
         generator.manual_seed(seed)
-        row = torch.empty(vocab_size, dtype=torch.float32, device=device).exponential_(generator=generator)
-        noise[num_shared + i] = row
+        noise[num_shared + i].exponential_(generator=generator)
     # E == 0 would give +inf noise: clamp so a zero-probability (-inf) token can never win.
     return noise.clamp_min_(torch.finfo(torch.float32).tiny).log_().neg_()

@@ -66,7 +66,9 @@ class SlotTable:
         """Bytes of device memory the history tensors hold."""
         return self.counts.nbytes + self.prompt_seen.nbytes
 
-    def add(self, slot: int, rid: str, p: SamplingParams, prompt_ids: list[int], output_ids: list[int]) -> None:
+    def add(
+        self, slot: int, rid: str, p: SamplingParams, prompt_ids: list[int], output_ids: list[int]
+    ) -> None:
         if not 0 <= slot < self.max_slots:
             raise ValueError(f"slot {slot} is outside [0, {self.max_slots})")
         if self.active[slot]:
@@ -78,7 +80,9 @@ class SlotTable:
         self.top_p[slot], self.min_p[slot] = p.top_p, p.min_p
         self.repetition[slot] = p.repetition_penalty
         self.presence[slot], self.frequency[slot] = p.presence_penalty, p.frequency_penalty
-        self.penalised[slot] = p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
+        self.penalised[slot] = (
+            p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
+        )
         self.has_bias[slot] = bool(p.logit_bias)
         self.logprobs[slot], self.top_logprobs[slot] = p.logprobs, p.top_logprobs
         self.min_new_tokens[slot], self.num_output[slot] = p.min_new_tokens, len(output_ids)
@@ -129,7 +133,9 @@ class SlotTable:
             draws.append((extras.generator, position_seed(extras.seed, int(self.num_output[slot]))))
         return draws
 
-    def record(self, slots: np.ndarray, penalised_slots: torch.Tensor, penalised_tokens: torch.Tensor) -> None:
+    def record(
+        self, slots: np.ndarray, penalised_slots: torch.Tensor, penalised_tokens: torch.Tensor
+    ) -> None:
         """Count one more output token for each of `slots`; the token ids matter to penalised ones."""
         np.add.at(self.num_output, slots, 1)
         if penalised_slots.numel():

@@ -1,0 +1,134 @@
+"""What this build supports: the one table to edit as features land.
+
+Each rule names a setting, a predicate that is true for the values this build implements, and why
+other values are refused. A setting without a rule is fully supported. Every rule must accept the
+setting's default (a test checks it), so only an explicit choice of a missing feature is refused,
+with the flag and where it was set, instead of being accepted and silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from app.config.errors import Problem
+from app.config.names import flag_of
+
+
+@dataclass(frozen=True)
+class Rule:
+    field: str
+    supported: Callable[[Any], bool]
+    message: str  # why other values are refused
+    summary: str  # the supported values, for --help and docs/configuration.md
+
+
+def show(value: Any) -> str:
+    """A value as the docs and --help print it: auto, 4, true, unset, ["prometheus"]."""
+    if value is None:
+        return "unset"
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def only(field: str, *values: Any, why: str) -> Rule:
+    """Supported: exactly these values (the first one is normally the default)."""
+    summary = ", ".join(show(v) for v in values)
+    return Rule(field, lambda v: any(v == ok and type(v) is type(ok) for ok in values), why, summary)
+
+
+def _all(fields: Iterable[str], value: Any, why: str) -> list[Rule]:
+    return [only(f, value, why=why) for f in fields]
+
+
+_PARALLEL = "multi-GPU and multi-node parallelism is not built yet (one GPU, one worker process)"
+_MOE = "MoE models are not built yet"
+_SPEC = "speculative decoding is not built yet"
+_KVSTORE = "this build has no host KV store (--disable-kvstore is the only mode)"
+_DISAGG = "prefill/decode disaggregation is not built yet"
+_PARSERS = "reasoning and tool-call parsing are not built yet"
+
+RULES: tuple[Rule, ...] = (
+    # Model loading and precision.
+    only("tokenizer_mode", "auto", "slow", why="the deepseek_v4 tokenizer mode is not built yet"),
+    only("load_format", "auto", "safetensors", "pt", "dummy",
+         why="npcache and extensible weight loading are not built yet"),
+    only("kv_cache_dtype", "auto", why="quantized KV caches are not built yet"),
+    only("kv_cache_quant_method", "none", why="KV cache quantization is not built yet"),
+    only("quantization", None, why="weight quantization is not built yet"),
+    only("quantization_param_path", None, why="FP8 KV cache scaling factors are not built yet"),
+    # Scheduler: CUDA graphs are captured at sizes the worker chooses.
+    only("max_cudagraph_capture_size", None, why="CUDA graph capture sizes are not configurable yet"),
+    only("cudagraph_capture_sizes", None, why="CUDA graph capture sizes are not configurable yet"),
+    # Parallelism.
+    *_all(["tensor_parallel_size", "data_parallel_size", "expert_parallel_size", "nnodes"], 1, _PARALLEL),
+    *_all(["dense_tp_size", "moe_tp_size", "world_size", "nprocs_per_node"], None, _PARALLEL),
+    only("node_rank", 0, why=_PARALLEL),
+    only("dist_init_addr", None, why=_PARALLEL),
+    only("enable_expert_parallel", False, why=_PARALLEL),
+    only("mm_encoder_tp_mode", "weights", why="multimodal models are not built yet"),
+    # Backends.
+    only("attention_backend", None, "torch",
+         why="this build has the portable 'torch' attention backend only (leave it unset or set torch)"),
+    only("sampling_backend", None, "greedy",
+         why="this build has its portable torch sampler only (leave it unset or set greedy)"),
+    only("drafter_attention_backend", None, why=_SPEC),
+    only("draft_moe_backend", None, why=_SPEC),
+    only("moe_backend", "auto", why=_MOE),
+    only("all2all_backend", "none", why=_MOE),
+    only("deepep_mode", "auto", why=_MOE),
+    only("dp_sampling", False, why="data-parallel sampling is not built yet"),
+    # Reasoning and tools.
+    *_all(["reasoning_parser", "tool_call_parser"], None, _PARSERS),
+    only("enable_custom_logit_processor", False, why="custom logit processors are not built yet"),
+    # Speculative decoding: the defaults (3 steps, steps + 1 draft tokens) are harmless while it is off.
+    *_all(["speculative_config", "speculative_algorithm", "speculative_draft_model_path",
+           "eagle3_layers_to_capture"], None, _SPEC),
+    only("speculative_draft_model_quantization", "unquant", why=_SPEC),
+    only("speculative_num_steps", 3, why=_SPEC),
+    only("speculative_num_draft_tokens", None, 4, why=_SPEC),
+    only("speculative_eagle_topk", 1, why=_SPEC),
+    # Observability.
+    only("enable_log_request_stats", False, why="the per-request stats line is not built yet"),
+    only("enable_metrics", False, why="metrics reporting is not built yet"),
+    only("metrics_reporters", ["prometheus"], why="metrics reporting is not built yet"),
+    only("kv_events_config", None, why="KV cache events are not built yet"),
+    # TokenSpeed-specific runtime knobs.
+    only("disable_kvstore", True, why=_KVSTORE),
+    only("kvstore_ratio", 2.0, why=_KVSTORE),
+    *_all(["kvstore_size", "kvstore_io_backend", "kvstore_mem_layout", "kvstore_storage_backend",
+           "kvstore_storage_backend_extra_config"], None, _KVSTORE),
+    only("enable_mla_l1_5_cache", False, why="MLA models are not built yet"),
+    only("mla_chunk_multiplier", 4, why="MLA models are not built yet"),
+    only("disaggregation_mode", "null", why=_DISAGG),
+    only("disaggregation_bootstrap_port", 8998, why=_DISAGG),
+    only("disaggregation_transfer_backend", "mooncake", why=_DISAGG),
+    only("disaggregation_ib_device", None, why=_DISAGG),
+    only("disaggregation_layerwise_interval", 1, why=_DISAGG),
+    only("comm_fusion_max_num_tokens", 2048, why="communication fusion needs tensor parallelism: " + _PARALLEL),
+    only("enable_allreduce_fusion", False, why="communication fusion needs tensor parallelism: " + _PARALLEL),
+)
+
+BY_FIELD: dict[str, Rule] = {rule.field: rule for rule in RULES}
+
+
+def describe(field: str, value: Any) -> str:
+    """How the operator would have written this value: `--enable-metrics`, `--dtype half`."""
+    flag = flag_of(field)
+    if isinstance(value, bool):
+        return flag if value else flag.replace("--", "--no-", 1)
+    if isinstance(value, list):
+        return f"{flag} {' '.join(str(v) for v in value)}"
+    if isinstance(value, dict):
+        return f"{flag} '{json.dumps(value)}'"
+    return f"{flag} {value}"
+
+
+def unsupported(values: Mapping[str, Any]) -> list[Problem]:
+    """A problem for every setting whose value this build does not implement."""
+    return [
+        Problem((rule.field,), f"{describe(rule.field, values[rule.field])} is not supported yet: {rule.message}")
+        for rule in RULES
+        if rule.field in values and not rule.supported(values[rule.field])
+    ]

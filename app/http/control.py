@@ -1,0 +1,113 @@
+"""Control and information routes: abort, cache flush, model/server info, weight version."""
+
+from __future__ import annotations
+
+import re
+
+from pydantic import Field
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from app.http.body import StrictBody, read_object, validate
+from app.http.engine_client import EngineUnavailable
+from app.http.errors import APIError, bad_request
+from app.http.state import server_state
+from app.http.streaming import JSON
+
+CONTROL_TIMEOUT_S = 30.0
+
+
+class AbortBody(StrictBody):
+    rid: str | None = None
+    abort_all: bool = False
+
+
+class WeightVersionBody(StrictBody):
+    new_version: str = Field(min_length=1)
+
+
+def _fan_out_children(rid: str, inflight: list[str]) -> list[str]:
+    """The engine requests an id stands for: itself, or its fan-out {rid}-{index} (OpenAI n > 1)."""
+    child = re.compile(re.escape(rid) + r"-\d+")
+    return [r for r in inflight if r == rid or child.fullmatch(r)]
+
+
+async def abort_request(request: Request) -> Response:
+    state = server_state(request)
+    body = validate(AbortBody, await read_object(request))
+    if body.abort_all == (body.rid is not None):
+        raise bad_request("send either 'rid' or 'abort_all': true", param="rid")
+    if body.abort_all:
+        await state.client.abort(abort_all=True, reason="aborted by /abort_request")
+    else:
+        assert body.rid is not None
+        for rid in _fan_out_children(body.rid, state.client.inflight_rids()) or [body.rid]:
+            await state.client.abort(rid=rid, reason="aborted by /abort_request")
+    return JSON({"success": True})
+
+
+async def flush_cache(request: Request) -> Response:
+    state = server_state(request)
+    if not state.client.ready:
+        raise APIError(503, "the engine is not ready yet")
+    try:
+        reply = await state.client.control("flush_cache", {}, timeout=CONTROL_TIMEOUT_S)
+    except TimeoutError:
+        raise APIError(504, f"the engine did not answer flush_cache within {CONTROL_TIMEOUT_S:g} s") from None
+    except EngineUnavailable as exc:
+        raise APIError(503, str(exc)) from None
+    if not reply.success:
+        raise APIError(400, reply.message or "the cache was not flushed", code="flush_failed")
+    return JSON({"success": True, "message": reply.message})
+
+
+async def get_model_info(request: Request) -> Response:
+    state = server_state(request)
+    cfg, info = state.config, state.client.info
+    return JSON({
+        "model_path": cfg.model_path, "tokenizer_path": cfg.tokenizer_path,
+        "served_model_name": cfg.served_model_name, "is_generation": True,
+        "max_context_length": info.get("max_model_len"), "vocab_size": info.get("vocab_size"),
+        "eos_token_ids": info.get("eos_token_ids"), "weight_version": state.weight_version,
+    })
+
+
+async def get_server_info(request: Request) -> Response:
+    state = server_state(request)
+    return JSON({
+        **state.config.settings_view,
+        "weight_version": state.weight_version,
+        "engine_info": state.client.info,
+        "ready": state.ready(),
+        "draining": state.draining,
+        "num_inflight_requests": state.inflight,
+    })
+
+
+async def get_weight_version(request: Request) -> Response:
+    return JSON({"weight_version": server_state(request).weight_version})
+
+
+async def update_weight_version(request: Request) -> Response:
+    state = server_state(request)
+    body = validate(WeightVersionBody, await read_object(request))
+    state.weight_version = body.new_version
+    return JSON({"success": True, "message": f"weight version set to {body.new_version}",
+                 "new_version": body.new_version})
+
+
+async def model_info(request: Request) -> Response:
+    state = server_state(request)
+    return JSON({"model_path": state.config.model_path, "weight_version": state.weight_version})
+
+
+ROUTES = [
+    Route("/abort_request", abort_request, methods=["POST"]),
+    Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
+    Route("/get_model_info", get_model_info, methods=["GET"]),
+    Route("/get_server_info", get_server_info, methods=["GET"]),
+    Route("/get_weight_version", get_weight_version, methods=["GET"]),
+    Route("/update_weight_version", update_weight_version, methods=["POST"]),
+    Route("/model_info", model_info, methods=["GET"]),
+]

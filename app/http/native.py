@@ -1,0 +1,293 @@
+"""POST /generate: SGLang's native API (text or input_ids, single or batch, SSE streaming)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import field_validator
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from app.http.body import StrictBody, read_object, validate
+from app.http.errors import bad_request
+from app.http.runner import run_stream, run_whole
+from app.http.sampling import (
+    MaxTokens,
+    MinP,
+    MinTokens,
+    NumLogprobs,
+    Penalty,
+    RepetitionPenalty,
+    Seed,
+    Temperature,
+    TokenId,
+    TopP,
+    check_stop,
+    check_token_ids,
+    check_top_k,
+    logit_bias_ids,
+    normalize_stop,
+)
+from app.http.state import ServerState, server_state
+from app.http.streaming import JSON
+from app.protocol import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, GenerateRequest, SamplingParams, TextDelta
+
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
+
+
+class NativeSampling(StrictBody):
+    max_new_tokens: MaxTokens | None = None
+    min_new_tokens: MinTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: int | None = None
+    min_p: MinP | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    stop: list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    seed: Seed | None = None
+    sampling_seed: Seed | None = None  # SGLang's name for seed
+    logit_bias: dict[str, float] | None = None
+    n: int | None = None
+
+    _top_k = field_validator("top_k")(check_top_k)
+    _stop_shape = field_validator("stop", mode="before")(normalize_stop)
+    _stop = field_validator("stop")(check_stop)
+
+    @field_validator("n")
+    @classmethod
+    def _one_sample(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise ValueError("only n=1 is supported by /generate: send a batch, or use the OpenAI API's n")
+        return value
+
+    def to_params(self, vocab_size: int | None, param: str, logprobs: bool, top_logprobs: int) -> SamplingParams:
+        if self.seed is not None and self.sampling_seed is not None and self.seed != self.sampling_seed:
+            raise bad_request(f"'{param}.seed' and '{param}.sampling_seed' disagree", param=f"{param}.seed")
+        check_token_ids(self.stop_token_ids or [], vocab_size, f"{param}.stop_token_ids")
+        max_new = self.max_new_tokens if self.max_new_tokens is not None else DEFAULT_MAX_NEW_TOKENS
+        if self.min_new_tokens is not None and self.min_new_tokens > max_new:
+            raise bad_request(f"'{param}.min_new_tokens' ({self.min_new_tokens}) exceeds max_new_tokens "
+                              f"({max_new})", param=f"{param}.min_new_tokens")
+        given = {name: value for name, value in {
+            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+            "frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty,
+            "repetition_penalty": self.repetition_penalty, "ignore_eos": self.ignore_eos,
+            "min_new_tokens": self.min_new_tokens, "skip_special_tokens": self.skip_special_tokens,
+            "spaces_between_special_tokens": self.spaces_between_special_tokens, "no_stop_trim": self.no_stop_trim,
+        }.items() if value is not None}
+        return SamplingParams(
+            max_new_tokens=max_new,
+            logit_bias=logit_bias_ids(self.logit_bias, vocab_size, f"{param}.logit_bias"),
+            seed=self.seed if self.seed is not None else self.sampling_seed,
+            stop=list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []),
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            **given,
+        )
+
+
+class GenerateBody(StrictBody):
+    text: Any = None
+    input_ids: Any = None
+    sampling_params: Any = None
+    stream: bool = False
+    rid: Any = None
+    return_logprob: bool = False
+    top_logprobs_num: NumLogprobs = 0
+    return_text_in_logprobs: bool = False
+    logprob_start_len: int | None = None
+    lora_path: Any = None
+
+    @field_validator("logprob_start_len")
+    @classmethod
+    def _no_prompt_logprobs(cls, value: int | None) -> int | None:
+        if value not in (None, -1):
+            raise ValueError("prompt logprobs are not supported: only -1 (none) is accepted")
+        return value
+
+    @field_validator("lora_path")
+    @classmethod
+    def _no_lora(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError("LoRA adapters are not supported")
+        return value
+
+
+def _prompts(body: GenerateBody) -> tuple[list[dict[str, Any]], bool]:
+    """([{text} | {input_ids}] per item, whether the body is a batch)."""
+    if (body.text is None) == (body.input_ids is None):
+        raise bad_request("send exactly one of 'text' or 'input_ids'", param="text")
+    if body.text is not None:
+        text = body.text
+        batch = isinstance(text, list)
+        items = text if batch else [text]
+        for i, item in enumerate(items):
+            path = f"text[{i}]" if batch else "text"
+            if not isinstance(item, str) or not item:
+                raise bad_request(f"invalid value for '{path}': must be a non-empty string", param=path)
+        if not items:
+            raise bad_request("invalid value for 'text': an empty batch", param="text")
+        return [{"text": t} for t in items], batch
+    ids = body.input_ids
+    batch = isinstance(ids, list) and bool(ids) and all(isinstance(x, list) for x in ids)
+    items = ids if batch else [ids]
+    for i, item in enumerate(items):
+        path = f"input_ids[{i}]" if batch else "input_ids"
+        if (not isinstance(item, list) or not item
+                or not all(isinstance(t, int) and not isinstance(t, bool) for t in item)):
+            raise bad_request(f"invalid value for '{path}': must be a non-empty list of token ids "
+                              "(or a batch of such lists)", param=path)
+    return [{"input_ids": list(item)} for item in items], batch
+
+
+def _rids(body: GenerateBody, size: int, batch: bool) -> list[str]:
+    if body.rid is None:
+        return [uuid.uuid4().hex for _ in range(size)]
+    rids = body.rid if batch else [body.rid]
+    if not isinstance(rids, list) or len(rids) != size:
+        shape = f"a list of {size} strings" if batch else "a string"
+        raise bad_request(f"invalid value for 'rid': must be {shape}", param="rid")
+    if not all(isinstance(r, str) and r for r in rids):
+        raise bad_request("invalid value for 'rid': request ids must be non-empty strings", param="rid")
+    if len(set(rids)) != len(rids):
+        raise bad_request("invalid value for 'rid': request ids must be unique", param="rid")
+    return rids
+
+
+def _sampling(body: GenerateBody, size: int, batch: bool, vocab_size: int | None) -> list[SamplingParams]:
+    raw = body.sampling_params
+    if raw is None:
+        raw = {}
+    if isinstance(raw, list):
+        if not batch or len(raw) != size:
+            raise bad_request(f"invalid value for 'sampling_params': a list needs a batch of the same size ({size})",
+                              param="sampling_params")
+        paths = [f"sampling_params[{i}]" for i in range(size)]
+    else:
+        raw, paths = [raw] * size, ["sampling_params"] * size
+    out = []
+    for item, path in zip(raw, paths, strict=True):
+        parsed = validate(NativeSampling, item, path)
+        out.append(parsed.to_params(vocab_size, path, body.return_logprob, body.top_logprobs_num))
+    return out
+
+
+# ---------------------------------------------------------------- responses
+
+
+def finish_info(delta: TextDelta) -> dict[str, Any] | None:
+    if delta.finish_reason is None:
+        return None
+    if delta.finish_reason == FINISH_STOP:
+        return {"type": "stop", "matched": delta.matched_stop}
+    if delta.finish_reason == FINISH_LENGTH:
+        return {"type": "length", "length": delta.completion_tokens}
+    if delta.finish_reason == FINISH_ABORT:
+        return {"type": "abort", "message": delta.error or "aborted"}
+    return {"type": delta.finish_reason}
+
+
+@dataclass(frozen=True)
+class NativeView:
+    rids: list[str]
+    batch: bool
+    arrival: float
+    weight_version: str
+    return_logprob: bool
+    top_logprobs_num: int
+    text_in_logprobs: bool
+
+    def meta_info(self, index: int, delta: TextDelta) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": self.rids[index], "finish_reason": finish_info(delta), "prompt_tokens": delta.prompt_tokens,
+            "completion_tokens": delta.completion_tokens, "cached_tokens": delta.cached_tokens,
+            "weight_version": self.weight_version,
+        }
+        if delta.finish_reason is not None:
+            meta["e2e_latency"] = time.time() - self.arrival
+        if self.return_logprob:
+            meta.update(self._logprobs(delta))
+        return meta
+
+    def _logprobs(self, delta: TextDelta) -> dict[str, Any]:
+        texts = delta.token_texts if len(delta.token_texts) == len(delta.logprobs) else None
+        out: dict[str, Any] = {"output_token_logprobs": [
+            [lp.logprob, lp.token_id, texts[i] if texts and self.text_in_logprobs else None]
+            for i, lp in enumerate(delta.logprobs)]}
+        if self.top_logprobs_num:
+            tops = []
+            for i, lp in enumerate(delta.logprobs):
+                names = delta.top_token_texts[i] if i < len(delta.top_token_texts) else []
+                tops.append([[v, t, names[j] if self.text_in_logprobs and j < len(names) else None]
+                             for j, (t, v) in enumerate(zip(lp.top_ids, lp.top_logprobs, strict=False))])
+            out["output_top_logprobs"] = tops
+        return out
+
+    def item(self, index: int, delta: TextDelta, text: str) -> dict[str, Any]:
+        out = {"text": text, "output_ids": list(delta.token_ids), "meta_info": self.meta_info(index, delta)}
+        if self.batch:
+            out["index"] = index
+        return out
+
+
+class NativeStream:
+    """Chunks carry the text so far (or just the new segment with --stream-output) and the new ids."""
+
+    def __init__(self, view: NativeView, stream_output: bool) -> None:
+        self.view = view
+        self.stream_output = stream_output
+        self.texts = [""] * len(view.rids)
+
+    def opening(self) -> list[dict[str, Any]]:
+        return []
+
+    def on_delta(self, index: int, delta: TextDelta) -> list[dict[str, Any]]:
+        self.texts[index] += delta.text
+        text = delta.text if self.stream_output else self.texts[index]
+        return [self.view.item(index, delta, text)]
+
+    def closing(self) -> list[dict[str, Any]]:
+        return []
+
+
+async def generate(request: Request) -> Response:
+    state: ServerState = server_state(request)
+    state.check_admission()
+    body = validate(GenerateBody, await read_object(request))
+    vocab_size = state.client.info.get("vocab_size")
+    prompts, batch = _prompts(body)
+    for i, fields in enumerate(prompts):
+        if "input_ids" in fields:
+            check_token_ids(fields["input_ids"], vocab_size, f"input_ids[{i}]" if batch else "input_ids")
+    rids = _rids(body, len(prompts), batch)
+    samplings = _sampling(body, len(prompts), batch, vocab_size)
+    if body.top_logprobs_num and not body.return_logprob:
+        raise bad_request("'top_logprobs_num' needs 'return_logprob' to be true", param="top_logprobs_num")
+    now = time.time()
+    requests = [GenerateRequest(rid=rid, sampling=sampling, stream=body.stream, arrival_time=now, **fields)
+                for rid, sampling, fields in zip(rids, samplings, prompts, strict=True)]
+    view = NativeView(rids, batch, now, state.weight_version, body.return_logprob, body.top_logprobs_num,
+                      body.return_text_in_logprobs)
+    log_rid = rids[0] if len(rids) == 1 else f"{rids[0]}..(+{len(rids) - 1})"
+    state.request_log.received(log_rid, "/generate", [p.get("text", p.get("input_ids")) for p in prompts],
+                               samplings[0], {"stream": body.stream, "batch": len(rids)})
+    if body.stream:
+        return await run_stream(request, state, log_rid, requests, NativeStream(view, state.config.stream_output))
+    finals = await run_whole(request, state, log_rid, requests)
+    items = [view.item(i, d, d.text) for i, d in enumerate(finals)]
+    return JSON(items if batch else items[0])
+
+
+ROUTES = [Route("/generate", generate, methods=["POST"])]

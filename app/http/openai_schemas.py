@@ -1,0 +1,288 @@
+"""Request bodies of /v1/completions and /v1/chat/completions, validated strictly, and their mapping to
+engine requests. OpenAI parameters this server does not build are refused by name."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import Field, field_validator
+
+from app.http.body import StrictBody, validate
+from app.http.errors import APIError, bad_request, unsupported
+from app.http.sampling import (
+    MaxTokens,
+    MinP,
+    MinTokens,
+    NumChoices,
+    NumLogprobs,
+    Penalty,
+    RepetitionPenalty,
+    Seed,
+    Temperature,
+    TokenId,
+    TopP,
+    check_stop,
+    check_token_ids,
+    check_top_k,
+    logit_bias_ids,
+    normalize_stop,
+)
+from app.protocol import SamplingParams
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
+
+# OpenAI parameters that are not built, with the values that mean "not used" (always accepted).
+_NOT_BUILT_COMPLETIONS: dict[str, Callable[[Any], bool]] = {
+    "suffix": lambda v: v in (None, ""),
+}
+_NOT_BUILT_CHAT: dict[str, Callable[[Any], bool]] = {
+    "tools": lambda v: v in (None, []),
+    "tool_choice": lambda v: v in (None, "none"),
+    "functions": lambda v: v in (None, []),
+    "function_call": lambda v: v in (None, "none"),
+    "parallel_tool_calls": lambda v: v is None,
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "audio": lambda v: v is None,
+    "modalities": lambda v: v in (None, ["text"]),
+    "prediction": lambda v: v is None,
+    "reasoning_effort": lambda v: v is None,
+    "service_tier": lambda v: v in (None, "auto", "default"),
+    "store": lambda v: v in (None, False),
+    "metadata": lambda v: v is None,
+    "web_search_options": lambda v: v is None,
+    "prompt_cache_key": lambda v: v is None,
+    "safety_identifier": lambda v: v is None,
+    "verbosity": lambda v: v is None,
+}
+
+
+def drop_not_built(body: dict[str, Any], not_built: dict[str, Callable[[Any], bool]]) -> dict[str, Any]:
+    """Refuse a parameter we do not build unless its value means 'not used'; drop it then."""
+    for name, unused in not_built.items():
+        if name in body and not unused(body[name]):
+            raise unsupported(name)
+    return {k: v for k, v in body.items() if k not in not_built}
+
+
+class StreamOptions(StrictBody):
+    include_usage: bool | None = None
+
+
+class SamplingFields(StrictBody):
+    """What completions and chat share."""
+
+    model: str
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: int | None = None
+    min_p: MinP | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    logit_bias: dict[str, float] | None = None
+    seed: Seed | None = None
+    stop: list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: MinTokens | None = None
+    skip_special_tokens: bool | None = None
+    n: NumChoices | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted as OpenAI does (end-user id); shown in request logs only
+
+    _top_k = field_validator("top_k")(check_top_k)
+    _stop_shape = field_validator("stop", mode="before")(normalize_stop)
+    _stop = field_validator("stop")(check_stop)
+
+    def check_common(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def sampling(self, vocab_size: int | None, max_tokens: int | None, top_logprobs: int | None) -> SamplingParams:
+        """top_logprobs None: no logprobs; k >= 0: the sampled token's logprob and k alternatives."""
+        check_token_ids(self.stop_token_ids or [], vocab_size, "stop_token_ids")
+        if (self.min_tokens is not None and max_tokens is not None and self.min_tokens > max_tokens):
+            raise bad_request(f"'min_tokens' ({self.min_tokens}) must not exceed the maximum number of "
+                              f"tokens ({max_tokens})", param="min_tokens")
+        defaults = SamplingParams()
+        return SamplingParams(
+            max_new_tokens=max_tokens,
+            temperature=_or(self.temperature, defaults.temperature),
+            top_p=_or(self.top_p, defaults.top_p),
+            top_k=_or(self.top_k, defaults.top_k),
+            min_p=_or(self.min_p, defaults.min_p),
+            presence_penalty=_or(self.presence_penalty, defaults.presence_penalty),
+            frequency_penalty=_or(self.frequency_penalty, defaults.frequency_penalty),
+            repetition_penalty=_or(self.repetition_penalty, defaults.repetition_penalty),
+            logit_bias=logit_bias_ids(self.logit_bias, vocab_size),
+            seed=self.seed,
+            stop=list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=_or(self.ignore_eos, False),
+            min_new_tokens=_or(self.min_tokens, 0),
+            skip_special_tokens=_or(self.skip_special_tokens, True),
+            logprobs=top_logprobs is not None,
+            top_logprobs=top_logprobs or 0,
+        )
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+# ---------------------------------------------------------------- completions
+
+
+Prompt = str | list[int]
+
+
+def normalize_prompt(value: Any) -> list[Prompt]:
+    """str | [str] | [int] | [[int]] (or a mix of strings and id lists) -> one prompt per choice group."""
+    if isinstance(value, str):
+        items: list[Any] = [value]
+    elif isinstance(value, list) and value and all(_is_token_id(t) for t in value):
+        items = [value]
+    elif isinstance(value, list) and value:
+        items = value
+    elif isinstance(value, list):
+        raise ValueError("must not be empty")
+    else:
+        raise ValueError("must be a string, a list of strings, a list of token ids or a list of token-id lists")
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            if not item:
+                raise ValueError(f"prompt {i} is an empty string")
+        elif isinstance(item, list) and all(_is_token_id(t) for t in item):
+            if not item:
+                raise ValueError(f"prompt {i} is an empty list of token ids")
+        else:
+            raise ValueError(f"prompt {i} must be a string or a list of non-negative token ids")
+    return items
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+class CompletionBody(SamplingFields):
+    prompt: Any = Field(default=...)
+    echo: bool | None = None
+    logprobs: NumLogprobs | None = None
+    best_of: int | None = None
+
+    _prompt = field_validator("prompt")(normalize_prompt)
+
+    @property
+    def prompts(self) -> list[Prompt]:
+        return self.prompt
+
+
+def parse_completion(body: dict[str, Any], vocab_size: int | None) -> tuple[CompletionBody, SamplingParams]:
+    parsed = validate(CompletionBody, drop_not_built(body, _NOT_BUILT_COMPLETIONS))
+    parsed.check_common()
+    n = parsed.n or 1
+    if parsed.best_of is not None and parsed.best_of != n:
+        raise unsupported("best_of", "only best_of equal to n is supported")
+    if parsed.echo and parsed.logprobs is not None:
+        raise unsupported("echo", "echo with logprobs needs prompt logprobs, which this server does not compute")
+    for i, prompt in enumerate(parsed.prompts):
+        if isinstance(prompt, list):
+            check_token_ids(prompt, vocab_size, "prompt" if len(parsed.prompts) == 1 else f"prompt[{i}]")
+    max_tokens = _or(parsed.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS)
+    return parsed, parsed.sampling(vocab_size, max_tokens, parsed.logprobs)
+
+
+# ---------------------------------------------------------------- chat
+
+_CHAT_ROLES = ("system", "developer", "user", "assistant")
+_TOOL_ROLES = ("tool", "function")
+
+
+class ChatMessage(StrictBody):
+    role: str
+    content: Any = Field(default=...)
+    name: str | None = None
+    # Fields clients copy back from earlier responses; only their empty values are accepted.
+    tool_calls: Any = None
+    tool_call_id: Any = None
+    function_call: Any = None
+    refusal: Any = None
+    audio: Any = None
+    annotations: Any = None
+
+    @field_validator("role")
+    @classmethod
+    def _role(cls, value: str) -> str:
+        if value in _TOOL_ROLES:
+            raise ValueError(f"role '{value}' is not supported: tool calling is not built")
+        if value not in _CHAT_ROLES:
+            raise ValueError(f"must be one of {', '.join(_CHAT_ROLES)}")
+        return value
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, value: Any) -> str:
+        if isinstance(value, str):
+            return value
+        if value is None:
+            raise ValueError("a message needs content")
+        if not isinstance(value, list):
+            raise ValueError("must be a string or a list of content parts")
+        texts = []
+        for i, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(f"content part {i} of type {kind!r} is not supported: text only")
+            if set(part) != {"type", "text"} or not isinstance(part["text"], str):
+                raise ValueError(f"content part {i} must be {{\"type\": \"text\", \"text\": <string>}}")
+            texts.append(part["text"])
+        return "\n".join(texts)
+
+    @field_validator("tool_calls", "tool_call_id", "function_call", "refusal", "audio", "annotations")
+    @classmethod
+    def _unused(cls, value: Any) -> Any:
+        if value not in (None, []):
+            raise ValueError("is not supported by this server (tool calling, audio and refusals are not built)")
+        return None
+
+    def to_engine(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class ChatBody(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: MaxTokens | None = None
+    logprobs: bool | None = None
+    top_logprobs: NumLogprobs | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+def parse_chat(body: dict[str, Any], vocab_size: int | None) -> tuple[ChatBody, SamplingParams]:
+    parsed = validate(ChatBody, drop_not_built(body, _NOT_BUILT_CHAT))
+    parsed.check_common()
+    if parsed.top_logprobs is not None and not parsed.logprobs:
+        raise bad_request("'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")
+    top = (parsed.top_logprobs or 0) if parsed.logprobs else None
+    max_tokens = parsed.max_completion_tokens if parsed.max_completion_tokens is not None else parsed.max_tokens
+    return parsed, parsed.sampling(vocab_size, max_tokens, top)
+
+
+def check_model(model: str, names: tuple[str, ...]) -> None:
+    if model not in names:
+        raise APIError(404, f"The model '{model}' does not exist; this server serves '{names[0]}'",
+                       param="model", code="model_not_found")
+
+
+def with_seed(sampling: SamplingParams, seed: int | None) -> SamplingParams:
+    return dataclasses.replace(sampling, seed=seed)

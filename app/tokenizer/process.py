@@ -1,0 +1,99 @@
+"""The tokenizer process: sockets around TokenizerCore.
+
+Started by the supervisor with multiprocessing "spawn". It binds its inbox, connects to the
+scheduler's and http's, loads the tokenizer (unless --skip-tokenizer-init), reports ProcessReady to
+the supervisor, then serves messages until Shutdown or SIGTERM. SIGINT is ignored: the supervisor
+coordinates shutdown.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from typing import Any
+
+import zmq
+
+from app import ipc
+from app.ipc import Endpoints
+from app.protocol import ProcessReady, ProtocolError, Shutdown
+from app.tokenizer.chat import resolve_chat_template
+from app.tokenizer.core import HTTP, SCHEDULER, TokenizerCore
+from app.tokenizer.loader import eos_token_ids, load_tokenizer_from_settings, tokenizer_source, vocab_size
+
+logger = logging.getLogger(__name__)
+
+POLL_MS = 1000  # a bounded wait, so a signal is always seen promptly
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    # Unwinds through run_tokenizer's finally: sockets closed (pending sends flushed), exit 0.
+    raise SystemExit(0)
+
+
+def run_tokenizer(settings: Any, endpoints: Endpoints) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s tokenizer %(levelname)s %(message)s")
+    ctx = zmq.Context()
+    sockets: list[zmq.Socket] = []
+    try:
+        inbox = ipc.bind_pull(ctx, endpoints.inbox("tokenizer"))
+        outs = {SCHEDULER: ipc.connect_push(ctx, endpoints.inbox("scheduler")),
+                HTTP: ipc.connect_push(ctx, endpoints.inbox("http"))}
+        supervisor = ipc.connect_push(ctx, endpoints.inbox("supervisor"))
+        sockets = [inbox, *outs.values(), supervisor]
+        core, ready_info = _build_core(settings)
+        ipc.send(supervisor, ProcessReady(name="tokenizer", pid=os.getpid(), info=ready_info))
+        _serve(core, inbox, outs)
+    finally:
+        for sock in sockets:
+            sock.close()
+        ctx.term()
+    logger.info("tokenizer: stopped")
+
+
+def _build_core(settings: Any) -> tuple[TokenizerCore, dict[str, Any]]:
+    chat_template = resolve_chat_template(settings.chat_template)
+    if settings.skip_tokenizer_init:
+        logger.info("tokenizer: --skip-tokenizer-init: serving token-id prompts only")
+        tokenizer = None
+        info: dict[str, Any] = {"vocab_size": None, "eos_token_ids": []}
+    else:
+        tokenizer = load_tokenizer_from_settings(settings)
+        eos = eos_token_ids(tokenizer, tokenizer_source(settings), revision=settings.revision,
+                            download_dir=settings.download_dir)
+        info = {"vocab_size": vocab_size(tokenizer), "eos_token_ids": eos}
+    core = TokenizerCore(tokenizer, chat_template=chat_template, stream_interval=settings.stream_interval)
+    return core, info
+
+
+def _serve(core: TokenizerCore, inbox: zmq.Socket, outs: dict[str, zmq.Socket]) -> None:
+    poller = zmq.Poller()
+    poller.register(inbox, zmq.POLLIN)
+    while True:
+        if not poller.poll(POLL_MS):
+            continue
+        try:
+            msg = ipc.recv(inbox, zmq.NOBLOCK)
+        except zmq.Again:
+            continue
+        except ProtocolError as exc:
+            logger.error("tokenizer: dropping malformed message: %s", exc)
+            continue
+        if isinstance(msg, Shutdown):
+            logger.info("tokenizer: shutdown requested (%s)", msg.reason or "no reason given")
+            return
+        _dispatch(core, msg, outs)
+
+
+def _dispatch(core: TokenizerCore, msg: Any, outs: dict[str, zmq.Socket]) -> None:
+    try:
+        replies = core.handle(msg)
+    except Exception:  # one bad message must not take the process down
+        logger.exception("tokenizer: dropping %s after an error", type(msg).__name__)
+        return
+    for reply in replies:
+        ipc.send(outs[reply.dest], reply.msg)

@@ -1,0 +1,119 @@
+"""The attention backend interface.
+
+Once per step the runner describes the batch (an AttentionBatch: flat varlen tokens, each
+sequence's context length and block table) and the backend plans it (`plan`), returning metadata
+that every layer shares. Each layer then calls `backend.forward(layer_idx, q, k, v, meta)`, which
+writes the new tokens' K/V into the paged cache and attends each sequence's new queries over its
+whole context (cached prefix + new tokens, causal among the new ones).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from app.worker.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+
+
+@dataclass
+class AttentionBatch:
+    """One step's tokens, backend-agnostic. Sequence b owns new tokens
+    query_start_loc[b]:query_start_loc[b+1] and has seq_lens[b] tokens of context after the step."""
+
+    query_start_loc: list[int]  # [B+1], host
+    seq_lens: list[int]  # [B], host
+    seq_lens_tensor: torch.Tensor  # [B] int32, device
+    block_tables: torch.Tensor  # [B, max_blocks] int32, device
+    positions: torch.Tensor  # [T] int64, device
+    slot_mapping: torch.Tensor  # [T] int64, device: KV slot of each new token
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc[-1]
+
+
+def build_attention_batch(
+    block_tables: torch.Tensor,
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_size: int,
+    seq_lens_tensor: torch.Tensor | None = None,
+) -> AttentionBatch:
+    """Positions and KV slots of the new tokens: each sequence's new tokens are its last
+    query_lens[b] positions. block_tables must cover every position below seq_lens[b];
+    seq_lens_tensor is seq_lens already on the device, if the caller keeps it there."""
+    if len(query_lens) != len(seq_lens) or block_tables.shape[0] != len(seq_lens):
+        raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
+    device = block_tables.device
+    qlens = torch.tensor(query_lens, dtype=torch.int64)
+    context = torch.tensor(seq_lens, dtype=torch.int64) - qlens
+    if bool((context < 0).any()) or bool((qlens < 1).any()):
+        raise ValueError("every sequence needs 1 <= query_len <= seq_len")
+    starts = torch.cumsum(qlens, 0) - qlens
+    row = torch.repeat_interleave(torch.arange(len(query_lens)), qlens)
+    positions = torch.arange(int(qlens.sum())) - starts[row] + context[row]
+    positions = positions.to(device)
+    row = row.to(device)
+    blocks = block_tables[row, positions // block_size].to(torch.int64)
+    query_start_loc = [0, *torch.cumsum(qlens, 0).tolist()]
+    return AttentionBatch(
+        query_start_loc=query_start_loc,
+        seq_lens=list(seq_lens),
+        seq_lens_tensor=(
+            seq_lens_tensor
+            if seq_lens_tensor is not None
+            else torch.tensor(seq_lens, dtype=torch.int32, device=device)
+        ),
+        block_tables=block_tables,
+        positions=positions,
+        slot_mapping=blocks * block_size + positions % block_size,
+        block_size=block_size,
+    )
+
+
+@dataclass
+class AttentionMetadata:
+    """A planned step; backends subclass it with what they precompute once for all layers."""
+
+    backend: AttentionBackend
+    batch: AttentionBatch
+
+
+class AttentionBackend(ABC):
+    name: ClassVar[str]
+
+    def __init__(self, kv_cache: KVCache, spec: AttentionSpec) -> None:
+        if spec.num_heads % spec.num_kv_heads:
+            raise ValueError(
+                f"{spec.num_heads} query heads are not a multiple of {spec.num_kv_heads} KV heads"
+            )
+        if kv_cache.spec.num_kv_heads != spec.num_kv_heads or kv_cache.spec.head_dim != spec.head_dim:
+            raise ValueError("the KV cache's head layout does not match the attention spec")
+        self.kv_cache = kv_cache
+        self.spec = spec
+
+    @abstractmethod
+    def plan(self, batch: AttentionBatch) -> AttentionMetadata:
+        """Precompute what every layer of this step shares."""
+
+    @abstractmethod
+    def forward(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """q [T, Hq, D], k and v [T, Hkv, D] for the step's new tokens -> output [T, Hq, D]."""

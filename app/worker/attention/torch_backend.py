@@ -1,0 +1,150 @@
+"""The portable reference backend: paged KV in plain torch, attention through SDPA. Runs on CPU and CUDA.
+
+Planning (once per step) turns block tables into the KV slots each sequence reads, plus masks.
+Sequences with several new tokens (prefill chunks) are attended one by one; single-token ones
+(decodes) are gathered into padded groups and attended together, each group bounded in padded
+context tokens so a long tail cannot blow up the gather.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from app.worker.attention.base import AttentionBackend, AttentionBatch, AttentionMetadata, AttentionSpec
+from app.worker.kv_cache import KVCache
+
+DEFAULT_DECODE_GROUP_TOKENS = 1 << 16
+
+
+@dataclass
+class _PrefillPlan:
+    start: int  # first new token row
+    end: int
+    ctx_slots: torch.Tensor  # [L] KV slots of the whole context
+    mask: torch.Tensor | None  # [n, L] bool (True = attend); None: plain causal (no cached prefix)
+
+
+@dataclass
+class _DecodeGroup:
+    rows: torch.Tensor  # [G] token rows (one new token per sequence)
+    ctx_slots: torch.Tensor  # [G, Lmax] KV slots, padded
+    mask: torch.Tensor  # [G, 1, 1, Lmax] bool
+
+
+@dataclass
+class TorchAttentionMetadata(AttentionMetadata):
+    prefills: list[_PrefillPlan] = field(default_factory=list)
+    decode_groups: list[_DecodeGroup] = field(default_factory=list)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def __init__(
+        self, kv_cache: KVCache, spec: AttentionSpec, decode_group_tokens: int = DEFAULT_DECODE_GROUP_TOKENS
+    ) -> None:
+        super().__init__(kv_cache, spec)
+        self.decode_group_tokens = decode_group_tokens
+
+    def plan(self, batch: AttentionBatch) -> TorchAttentionMetadata:
+        meta = TorchAttentionMetadata(backend=self, batch=batch)
+        decodes: list[int] = []
+        for b, seq_len in enumerate(batch.seq_lens):
+            start, end = batch.query_start_loc[b], batch.query_start_loc[b + 1]
+            if end - start == 1:
+                decodes.append(b)
+            else:
+                meta.prefills.append(self._plan_prefill(batch, b, start, end, seq_len))
+        for group in self._group_decodes(decodes, batch.seq_lens):
+            meta.decode_groups.append(self._plan_decode_group(batch, group))
+        return meta
+
+    def _context_slots(self, batch: AttentionBatch, rows: torch.Tensor, length: int) -> torch.Tensor:
+        """KV slots of positions [0, length) for the sequences in `rows` -> [len(rows), length]."""
+        pos = torch.arange(length, device=batch.block_tables.device)
+        blocks = batch.block_tables[rows][:, pos // batch.block_size].to(torch.int64)
+        return blocks * batch.block_size + pos % batch.block_size
+
+    def _plan_prefill(
+        self, batch: AttentionBatch, b: int, start: int, end: int, seq_len: int
+    ) -> _PrefillPlan:
+        device = batch.block_tables.device
+        rows = torch.tensor([b], device=device)
+        slots = self._context_slots(batch, rows, seq_len)[0]
+        n = end - start
+        mask = None
+        if n != seq_len:
+            # New token i sits at position seq_len - n + i and sees every position up to it.
+            q_pos = torch.arange(seq_len - n, seq_len, device=device).unsqueeze(1)
+            mask = torch.arange(seq_len, device=device).unsqueeze(0) <= q_pos
+        return _PrefillPlan(start, end, slots, mask)
+
+    def _group_decodes(self, decodes: list[int], seq_lens: list[int]) -> list[list[int]]:
+        """Split single-token sequences into groups of at most decode_group_tokens padded tokens
+        (a group always takes at least one sequence)."""
+        groups: list[list[int]] = []
+        current: list[int] = []
+        longest = 0
+        for b in decodes:
+            grown = max(longest, seq_lens[b])
+            if current and grown * (len(current) + 1) > self.decode_group_tokens:
+                groups.append(current)
+                current, grown = [], seq_lens[b]
+            current.append(b)
+            longest = grown
+        if current:
+            groups.append(current)
+        return groups
+
+    def _plan_decode_group(self, batch: AttentionBatch, group: list[int]) -> _DecodeGroup:
+        device = batch.block_tables.device
+        idx = torch.tensor(group, device=device)
+        lens = batch.seq_lens_tensor.index_select(0, idx)
+        longest = max(batch.seq_lens[b] for b in group)
+        slots = self._context_slots(batch, idx, longest)
+        mask = torch.arange(longest, device=device).unsqueeze(0) < lens.unsqueeze(1)
+        rows = torch.tensor([batch.query_start_loc[b] for b in group], device=device)
+        return _DecodeGroup(rows, slots, mask[:, None, None, :])
+
+    def forward(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        assert isinstance(meta, TorchAttentionMetadata)
+        k_cache = self.kv_cache.k[layer_idx].view(-1, self.spec.num_kv_heads, self.spec.head_dim)
+        v_cache = self.kv_cache.v[layer_idx].view(-1, self.spec.num_kv_heads, self.spec.head_dim)
+        k_cache.index_copy_(0, meta.batch.slot_mapping, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, meta.batch.slot_mapping, v.to(v_cache.dtype))
+        out = torch.empty_like(q)
+        for p in meta.prefills:
+            out[p.start : p.end] = self._attend_prefill(q[p.start : p.end], k_cache, v_cache, p)
+        for g in meta.decode_groups:
+            out.index_copy_(0, g.rows, self._attend_decodes(q.index_select(0, g.rows), k_cache, v_cache, g))
+        return out
+
+    def _expand_kv(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Repeat each KV head for its group of query heads (GQA): query head h reads KV head h // group."""
+        group = self.spec.num_heads // self.spec.num_kv_heads
+        return x if group == 1 else x.repeat_interleave(group, dim=dim)
+
+    def _attend_prefill(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: _PrefillPlan
+    ) -> torch.Tensor:
+        keys = self._expand_kv(k_cache.index_select(0, p.ctx_slots), 1).transpose(0, 1).to(q.dtype)
+        values = self._expand_kv(v_cache.index_select(0, p.ctx_slots), 1).transpose(0, 1).to(q.dtype)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), keys, values, attn_mask=p.mask, is_causal=p.mask is None, scale=self.spec.scale
+        )
+        return out.transpose(0, 1)
+
+    def _attend_decodes(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: _DecodeGroup
+    ) -> torch.Tensor:
+        keys = self._expand_kv(k_cache[g.ctx_slots], 2).transpose(1, 2).to(q.dtype)  # [G, Hq, L, D]
+        values = self._expand_kv(v_cache[g.ctx_slots], 2).transpose(1, 2).to(q.dtype)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys, values, attn_mask=g.mask, scale=self.spec.scale
+        )  # [G, Hq, 1, D]
+        return out.squeeze(2)

@@ -1,0 +1,150 @@
+"""Checkpoint weights into a model's parameters, one tensor at a time.
+
+Formats (--load-format): safetensors (one file, or shards listed by model.safetensors.index.json),
+pt (pytorch_model.bin, or shards listed by pytorch_model.bin.index.json), auto (safetensors if the
+directory has any, else pt), dummy (no files: every floating parameter uniform(-1e-3, 1e-3) from a
+generator seeded 1234). Each checkpoint tensor is read, copied into its (possibly fused) parameter
+in the model's dtype and device, and dropped before the next one, so the checkpoint is never held
+in memory twice.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from app.worker.layers import SHARD_ROWS
+from app.worker.models.dense import DenseCausalLM
+
+LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
+DUMMY_SEED = 1234
+_SHOWN = 8  # names listed in a missing/unexpected error before "and N more"
+
+
+class CheckpointError(ValueError):
+    """The checkpoint does not match the model (missing, unexpected or misshapen tensors) or is absent."""
+
+
+def _from_index(model_dir: Path, index_name: str) -> list[Path]:
+    weight_map = json.loads((model_dir / index_name).read_text())["weight_map"]
+    files = [model_dir / name for name in dict.fromkeys(weight_map.values())]
+    absent = [f.name for f in files if not f.is_file()]
+    if absent:
+        raise CheckpointError(f"{index_name} lists shard files that are missing: {', '.join(absent)}")
+    return files
+
+
+def checkpoint_files(model_dir: Path, load_format: str) -> tuple[str, list[Path]]:
+    """(resolved format, files to read) for safetensors / pt / auto."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(
+            f"--load-format {load_format!r} is not supported; choose from {', '.join(LOAD_FORMATS)}"
+        )
+    if load_format == "auto":
+        load_format = "safetensors" if any(model_dir.glob("*.safetensors")) else "pt"
+    if load_format == "safetensors":
+        index, single, pattern = "model.safetensors.index.json", "model.safetensors", "*.safetensors"
+    elif load_format == "pt":
+        index, single, pattern = "pytorch_model.bin.index.json", "pytorch_model.bin", "*.bin"
+    else:
+        raise ValueError(f"--load-format {load_format} reads no files")
+    if (model_dir / index).is_file():
+        files = _from_index(model_dir, index)
+    elif (model_dir / single).is_file():
+        files = [model_dir / single]
+    else:
+        files = sorted(model_dir.glob(pattern)) or (
+            sorted(model_dir.glob("*.pt")) if load_format == "pt" else []
+        )
+    if not files:
+        raise CheckpointError(f"no {load_format} weights found in {model_dir}")
+    return load_format, files
+
+
+def iterate_tensors(load_format: str, files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, CPU tensor) for every tensor of every file, loaded lazily."""
+    for path in files:
+        if load_format == "safetensors":
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        else:
+            # mmap: tensors are paged in as they are copied, not read up front.
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            for name in list(state):
+                yield name, state.pop(name)
+
+
+def _listed(names: list[str]) -> str:
+    shown = ", ".join(names[:_SHOWN])
+    return shown + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
+
+
+def load_tensors(model: DenseCausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -> int:
+    """Copy checkpoint tensors into the model; every parameter must be filled exactly once.
+    Returns the number of tensors loaded."""
+    params = dict(model.named_parameters())
+    expected = {name for p in params for name, _ in model.checkpoint_names(p)}
+    seen: set[str] = set()
+    unexpected: list[str] = []
+    for name, tensor in tensors:
+        if model.ignores_checkpoint_tensor(name):
+            continue
+        param_name, shard = model.checkpoint_target(name)
+        if name not in expected or param_name not in params:
+            unexpected.append(name)
+            continue
+        if name in seen:
+            raise CheckpointError(f"checkpoint tensor {name} appears twice")
+        _copy_into(params[param_name], tensor, name, shard)
+        seen.add(name)
+    if unexpected:
+        raise CheckpointError(f"unexpected tensors in the checkpoint: {_listed(sorted(unexpected))}")
+    missing = sorted(expected - seen)
+    if missing:
+        raise CheckpointError(f"tensors missing from the checkpoint: {_listed(missing)}")
+    return len(seen)
+
+
+def _copy_into(param: nn.Parameter, tensor: torch.Tensor, name: str, shard: str | None) -> None:
+    if not tensor.is_floating_point():
+        raise CheckpointError(f"checkpoint tensor {name} has dtype {tensor.dtype}; only float weights load")
+    target = param.data
+    if shard is not None:
+        first, rows = getattr(param, SHARD_ROWS)[shard]
+        target = target.narrow(0, first, rows)
+    if tuple(tensor.shape) != tuple(target.shape):
+        raise CheckpointError(
+            f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
+            f"the model expects {tuple(target.shape)}"
+        )
+    with torch.no_grad():
+        target.copy_(tensor)
+
+
+def init_dummy(model: nn.Module) -> None:
+    """Every floating parameter uniform(-1e-3, 1e-3) from a generator seeded DUMMY_SEED (per device)."""
+    generators: dict[torch.device, torch.Generator] = {}
+    with torch.no_grad():
+        for _, param in model.named_parameters():
+            if not param.is_floating_point():
+                continue
+            gen = generators.get(param.device)
+            if gen is None:
+                gen = generators[param.device] = torch.Generator(device=param.device).manual_seed(DUMMY_SEED)
+            param.uniform_(-1e-3, 1e-3, generator=gen)
+
+
+def load_weights(model: DenseCausalLM, model_dir: Path, load_format: str) -> str:
+    """Fill the model from model_dir per --load-format; returns the format actually used."""
+    if load_format == "dummy":
+        init_dummy(model)
+        return "dummy"
+    resolved, files = checkpoint_files(model_dir, load_format)
+    load_tensors(model, iterate_tensors(resolved, files))
+    return resolved

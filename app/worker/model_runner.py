@@ -1,0 +1,486 @@
+"""The model runner: the worker's device side. It loads the model, sizes and owns the KV pool,
+keeps every sequence's block table and length on the device (updated from the plan's deltas), and
+executes one StepPlan at a time: register new sequences, run the flat varlen forward over the
+step's chunks, sample the rows that ask for it, release finished slots.
+
+A plan is validated in full before anything changes, so a refused plan leaves no trace; releasing
+a slot that holds nothing is a no-op (after a failed step the scheduler frees its sequences).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+import torch
+
+from app.protocol import NewSeq, SamplingParams, SeqChunk, StepPlan, StepResult, WorkerReady
+from app.worker.attention import build_attention_batch, make_attention_backend
+from app.worker.kv_cache import (
+    GIB,
+    KVCache,
+    PoolPlan,
+    cpu_pool_tokens,
+    cuda_pool_bytes,
+    finish_pool,
+)
+from app.worker.loader import (
+    eos_token_ids,
+    load_hf_config,
+    load_weights,
+    resolve_dtype,
+    resolve_max_model_len,
+    resolve_model_path,
+)
+from app.worker.models import DenseCausalLM, model_class_for
+from app.worker.sampling import make_sampler
+
+logger = logging.getLogger(__name__)
+
+CUDA_RESERVE_BYTES = 256 << 20  # allocator slack and library workspaces outside the profile
+
+
+class PlanError(ValueError):
+    """The plan does not fit the worker's state (unknown slot, token outside the vocabulary, ...)."""
+
+
+class SlotState:
+    """Per-slot sequence state. Host lists drive planning and validation; the device tensors (block
+    tables, lengths, last sampled token) are what kernels read, written only where a plan changed them."""
+
+    def __init__(self, max_slots: int, max_blocks: int, device: torch.device) -> None:
+        self.max_slots = max_slots
+        self.max_blocks = max_blocks
+        self.active = [False] * max_slots
+        self.has_token = [False] * max_slots  # a sampled token is waiting to be fed (decode)
+        self.seq_len = [0] * max_slots
+        self.num_blocks = [0] * max_slots
+        self.block_tables = torch.zeros(max_slots, max_blocks, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(max_slots, dtype=torch.int32, device=device)
+        self.last_token = torch.zeros(max_slots, dtype=torch.int64, device=device)
+        self.device = device
+
+    def write_blocks(self, writes: list[tuple[int, int, list[int]]]) -> None:
+        """Apply (slot, first column, block ids) writes to the device block tables in one scatter."""
+        rows: list[int] = []
+        cols: list[int] = []
+        vals: list[int] = []
+        for slot, first, ids in writes:
+            rows += [slot] * len(ids)
+            cols += range(first, first + len(ids))
+            vals += ids
+        if vals:
+            index = (torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device))
+            self.block_tables.index_put_(index, torch.tensor(vals, dtype=torch.int32, device=self.device))
+
+    def set_lengths(self, slots: list[int], lengths: list[int]) -> None:
+        for slot, length in zip(slots, lengths, strict=True):
+            self.seq_len[slot] = length
+        if slots:
+            index = torch.tensor(slots, device=self.device)
+            self.seq_lens.index_copy_(0, index, torch.tensor(lengths, dtype=torch.int32, device=self.device))
+
+    def release(self, slot: int) -> None:
+        self.active[slot] = self.has_token[slot] = False
+        self.seq_len[slot] = self.num_blocks[slot] = 0
+
+
+@dataclass
+class _Step:
+    """The host-side layout of one step's flat batch."""
+
+    slots: list[int] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # decode rows hold a placeholder
+    decode_rows: list[int] = field(default_factory=list)
+    decode_slots: list[int] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    sample_slots: list[int] = field(default_factory=list)
+
+
+class ModelRunner:
+    def __init__(self, settings: Any, device: torch.device, rank: int = 0) -> None:
+        self.settings = settings
+        self.device = torch.device(device)
+        self.rank = rank
+        started = time.perf_counter()
+        model_dir = resolve_model_path(
+            settings.model, settings.load_format, settings.revision, settings.download_dir
+        )
+        self.config = load_hf_config(model_dir, settings.hf_overrides, settings.trust_remote_code)
+        self.dtype = resolve_dtype(settings.dtype, self.config, self.device)
+        self.max_model_len = resolve_max_model_len(settings.max_model_len, self.config)
+        self.block_size = _positive("block_size", settings.block_size)
+        self.max_num_seqs = _positive("max_num_seqs", settings.max_num_seqs)
+        self.vocab_size = int(self.config.vocab_size)
+        self.eos_token_ids = eos_token_ids(self.config, model_dir)
+        self.model = self._build_model(model_dir)
+        self.load_seconds = time.perf_counter() - started
+        self.sampler = make_sampler(
+            settings.sampling_backend,
+            self.vocab_size,
+            self.eos_token_ids,
+            self.device,
+            self.max_num_seqs,
+            seed=settings.seed,
+        )
+        self.pool = self._size_pool()
+        self.kv_cache = KVCache(
+            self.model.kv_cache_spec(self.dtype), self.pool.num_blocks, self.block_size, self.device
+        )
+        self.attention = make_attention_backend(
+            settings.attention_backend, self.kv_cache, self.model.attention_spec
+        )
+        self.slots = SlotState(
+            self.max_num_seqs, math.ceil(self.max_model_len / self.block_size), self.device
+        )
+        logger.info(
+            "KV pool: %d tokens (%d blocks of %d, %.2f GiB); max concurrency at max_model_len=%d: %.2fx",
+            self.pool.tokens,
+            self.pool.num_blocks,
+            self.block_size,
+            self.kv_cache.nbytes / GIB,
+            self.max_model_len,
+            self.pool.max_concurrency,
+        )
+
+    # ------------------------------------------------------------------ start-up
+
+    def _build_model(self, model_dir: Any) -> DenseCausalLM:
+        cls = model_class_for(self.config)
+        with torch.device(self.device):
+            model = cls(self.config, self.dtype, self.max_model_len)
+        model.to(self.device)  # the RoPE tables are built on the CPU
+        fmt = load_weights(model, model_dir, self.settings.load_format)
+        model.eval()
+        self.weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        logger.info(
+            "loaded %s (%s weights, %s, %.3f GB) on %s",
+            cls.__name__,
+            fmt,
+            str(self.dtype).removeprefix("torch."),
+            self.weights_bytes / 1e9,
+            self.device,
+        )
+        return model
+
+    def _size_pool(self) -> PoolPlan:
+        bytes_per_token = self.model.kv_cache_spec(self.dtype).bytes_per_token
+        max_total = self.settings.max_total_tokens
+        if self.device.type == "cuda":
+            tokens, why = self._cuda_pool_tokens(bytes_per_token)
+            if max_total is not None and max_total < tokens:
+                tokens, why = max_total, f"--max-total-tokens {max_total}"
+        elif self.device.type == "cpu":
+            tokens, why = cpu_pool_tokens(
+                bytes_per_token,
+                self.max_num_seqs,
+                self.max_model_len,
+                max_total,
+                psutil.virtual_memory().available,
+            )
+        else:
+            raise ValueError(f"device type {self.device.type!r} is not supported (cpu or cuda)")
+        return finish_pool(tokens, self.block_size, self.max_model_len, bytes_per_token, why)
+
+    def _cuda_pool_tokens(self, bytes_per_token: int) -> tuple[int, str]:
+        """Profile the largest step, then give the KV cache what the utilization budget leaves."""
+        dev = self.device
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+        static = torch.cuda.memory_allocated(dev)  # weights, RoPE tables, sampler state
+        profile_kv = self._profile_step()
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - static - profile_kv
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(dev)
+        non_torch = max(total - free - torch.cuda.memory_reserved(dev), 0)
+        util = self.settings.gpu_memory_utilization
+        kv_bytes = cuda_pool_bytes(total, util, static, peak, non_torch, CUDA_RESERVE_BYTES)
+        logger.info(
+            "memory: total %.2f GiB x %.2f; weights+state %.2f GiB, activation peak %.2f GiB, "
+            "outside torch %.2f GiB, reserve %.2f GiB -> KV %.2f GiB",
+            total / GIB,
+            util,
+            static / GIB,
+            peak / GIB,
+            non_torch / GIB,
+            CUDA_RESERVE_BYTES / GIB,
+            kv_bytes / GIB,
+        )
+        return max(kv_bytes, 0) // bytes_per_token, f"--gpu-memory-utilization {util}"
+
+    def _profile_tokens(self) -> int:
+        chunk = self.settings.chunked_prefill_size
+        return chunk if chunk is not None and chunk > 0 else self.settings.max_prefill_tokens
+
+    def _profile_step(self) -> int:
+        """One forward + sample of the largest step on a throwaway KV cache: one long sequence takes
+        most tokens (the attention peak) and max_num_seqs sequences sample (the sampler peak).
+        Returns the bytes of that temporary cache (not activation memory)."""
+        total = max(self._profile_tokens(), 1)
+        num_short = min(self.max_num_seqs, total) - 1
+        lengths = _split(total - num_short, self.max_model_len) + [1] * num_short
+        lengths = lengths[: self.max_num_seqs] if len(lengths) > self.max_num_seqs else lengths
+        blocks = [math.ceil(n / self.block_size) for n in lengths]
+        cache = KVCache(self.model.kv_cache_spec(self.dtype), sum(blocks), self.block_size, self.device)
+        backend = make_attention_backend(self.settings.attention_backend, cache, self.model.attention_spec)
+        table = torch.zeros(len(lengths), max(blocks), dtype=torch.int32, device=self.device)
+        first = 0
+        for row, count in enumerate(blocks):
+            table[row, :count] = torch.arange(first, first + count, dtype=torch.int32, device=self.device)
+            first += count
+        slots = list(range(len(lengths)))
+        params = self._profile_params()
+        for slot in slots:
+            self.sampler.add_seq(slot, f"profile-{slot}", params, [0], [])
+        try:
+            with torch.no_grad():
+                batch = build_attention_batch(table, lengths, lengths, self.block_size)
+                input_ids = torch.zeros(batch.num_tokens, dtype=torch.int64, device=self.device)
+                hidden = self.model(input_ids, batch.positions, backend.plan(batch))
+                last_rows = torch.tensor(batch.query_start_loc[1:], device=self.device) - 1
+                self.sampler.sample(self.model.compute_logits(hidden.index_select(0, last_rows)), slots)
+        finally:
+            for slot in slots:
+                self.sampler.remove_seq(slot)
+        return cache.nbytes
+
+    def _profile_params(self) -> SamplingParams:
+        """The sampler's most expensive path it accepts (sorting, penalties, top logprobs)."""
+        heavy = SamplingParams(
+            temperature=1.0,
+            top_p=0.9,
+            top_k=50,
+            min_p=0.05,
+            repetition_penalty=1.1,
+            frequency_penalty=0.1,
+            presence_penalty=0.1,
+            logprobs=True,
+            top_logprobs=min(20, self.vocab_size),
+        )
+        if self.sampler.validate(heavy) is None:
+            return heavy
+        return SamplingParams(temperature=0.0, logprobs=True, top_logprobs=min(20, self.vocab_size))
+
+    def ready_message(self) -> WorkerReady:
+        return WorkerReady(
+            rank=self.rank,
+            num_blocks=self.pool.num_blocks,
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            eos_token_ids=list(self.eos_token_ids),
+            info={
+                "weights_gb": round(self.weights_bytes / 1e9, 3),
+                "kv_pool_tokens": self.pool.tokens,
+                "max_concurrency": round(self.pool.max_concurrency, 2),
+                "load_seconds": round(self.load_seconds, 2),
+                "dtype": str(self.dtype).removeprefix("torch."),
+                "device": str(self.device),
+                "architecture": type(self.model).__name__,
+                "attention_backend": self.attention.name,
+            },
+        )
+
+    def warmup(self) -> None:
+        """A tiny real prefill + decode through slot 0, sampled greedily (no RNG draw); the slot
+        is released afterwards, so nothing of it is visible to the first real step."""
+        prompt_len = max(1, min(8, self.max_model_len - 1))
+        steps = 2 if prompt_len < self.max_model_len else 1
+        num_blocks = math.ceil((prompt_len + steps - 1) / self.block_size)
+        prompt = [i % self.vocab_size for i in range(prompt_len)]
+        seq = NewSeq(
+            slot=0,
+            rid="warmup",
+            sampling=SamplingParams(temperature=0.0),
+            num_prompt_tokens=prompt_len,
+            block_ids=list(range(num_blocks)),
+            prompt_ids=prompt,
+        )
+        plans = [StepPlan(step=-1, new_seqs=[seq], chunks=[SeqChunk(slot=0, token_ids=prompt)])]
+        if steps == 2:
+            plans.append(StepPlan(step=-1, chunks=[SeqChunk(slot=0)]))
+        plans[-1].free_slots.append(0)
+        for plan in plans:
+            self.execute(plan)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # ------------------------------------------------------------------ steps
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self._validate(plan)
+        with torch.no_grad():
+            for seq in plan.new_seqs:
+                self._register(seq)
+            result = self._run_chunks(plan) if plan.chunks else StepResult(step=plan.step)
+        for slot in plan.free_slots:
+            self._release(slot)
+        return result
+
+    def _register(self, seq: NewSeq) -> None:
+        self.sampler.add_seq(seq.slot, seq.rid, seq.sampling, list(seq.prompt_ids), list(seq.output_ids))
+        s = self.slots
+        s.active[seq.slot] = True
+        s.has_token[seq.slot] = False
+        s.num_blocks[seq.slot] = len(seq.block_ids)
+        s.write_blocks([(seq.slot, 0, list(seq.block_ids))])
+        s.set_lengths([seq.slot], [seq.num_cached_tokens])
+
+    def _release(self, slot: int) -> None:
+        if self.slots.active[slot]:
+            self.sampler.remove_seq(slot)
+            self.slots.release(slot)
+
+    def _layout(self, chunks: list[SeqChunk]) -> _Step:
+        step = _Step()
+        for chunk in chunks:
+            row = len(step.token_ids)
+            if chunk.token_ids:
+                step.token_ids += chunk.token_ids
+            else:
+                step.token_ids.append(0)
+                step.decode_rows.append(row)
+                step.decode_slots.append(chunk.slot)
+            n = len(step.token_ids) - row
+            step.slots.append(chunk.slot)
+            step.query_lens.append(n)
+            step.seq_lens.append(self.slots.seq_len[chunk.slot] + n)
+            if chunk.sample:
+                step.sample_rows.append(row + n - 1)
+                step.sample_slots.append(chunk.slot)
+        return step
+
+    def _run_chunks(self, plan: StepPlan) -> StepResult:
+        s = self.slots
+        appends = [
+            (c.slot, s.num_blocks[c.slot], list(c.append_block_ids))
+            for c in plan.chunks
+            if c.append_block_ids
+        ]
+        s.write_blocks(appends)
+        for slot, first, ids in appends:
+            s.num_blocks[slot] = first + len(ids)
+        step = self._layout(plan.chunks)
+        dev = self.device
+        input_ids = torch.tensor(step.token_ids, dtype=torch.int64, device=dev)
+        if step.decode_rows:
+            decode_slots = torch.tensor(step.decode_slots, device=dev)
+            input_ids[torch.tensor(step.decode_rows, device=dev)] = s.last_token.index_select(0, decode_slots)
+        s.set_lengths(step.slots, step.seq_lens)
+        slot_index = torch.tensor(step.slots, device=dev)
+        batch = build_attention_batch(
+            s.block_tables.index_select(0, slot_index),
+            step.query_lens,
+            step.seq_lens,
+            self.block_size,
+            seq_lens_tensor=s.seq_lens.index_select(0, slot_index),
+        )
+        hidden = self.model(input_ids, batch.positions, self.attention.plan(batch))
+        if not step.sample_rows:
+            return StepResult(step=plan.step)
+        rows = hidden.index_select(0, torch.tensor(step.sample_rows, device=dev))
+        out = self.sampler.sample(self.model.compute_logits(rows), step.sample_slots)
+        s.last_token.index_copy_(0, torch.tensor(step.sample_slots, device=dev), out.token_ids)
+        for slot in step.sample_slots:
+            s.has_token[slot] = True
+        logprobs = list(out.logprobs) if any(lp is not None for lp in out.logprobs) else []
+        return StepResult(
+            step=plan.step,
+            slots=list(step.sample_slots),
+            token_ids=out.token_ids.tolist(),
+            logprobs=logprobs,
+            bad_slots=[step.sample_slots[i] for i in out.bad_rows],
+        )
+
+    # ------------------------------------------------------------------ validation
+
+    def _validate(self, plan: StepPlan) -> None:
+        """Refuse a plan that does not fit, before any state changes."""
+        new = {seq.slot: seq for seq in plan.new_seqs}
+        if len(new) != len(plan.new_seqs):
+            raise PlanError(f"step {plan.step}: a slot is registered twice")
+        for seq in plan.new_seqs:
+            self._check_new_seq(seq)
+        seen: set[int] = set()
+        for chunk in plan.chunks:
+            if chunk.slot in seen:
+                raise PlanError(f"step {plan.step}: slot {chunk.slot} has two chunks")
+            seen.add(chunk.slot)
+            self._check_chunk(chunk, new.get(chunk.slot))
+        for slot in plan.free_slots:
+            self._check_slot(slot)
+
+    def _check_slot(self, slot: int) -> None:
+        if not isinstance(slot, int) or not 0 <= slot < self.max_num_seqs:
+            raise PlanError(f"slot {slot!r} is outside [0, {self.max_num_seqs})")
+
+    def _check_blocks(self, slot: int, ids: list[int], total: int) -> None:
+        bad = [b for b in ids if not isinstance(b, int) or not 0 <= b < self.pool.num_blocks]
+        if bad:
+            raise PlanError(f"slot {slot}: block ids {bad[:8]} are outside [0, {self.pool.num_blocks})")
+        if total > self.slots.max_blocks:
+            raise PlanError(
+                f"slot {slot}: {total} blocks exceed max_model_len {self.max_model_len} "
+                f"({self.slots.max_blocks} blocks of {self.block_size})"
+            )
+
+    def _check_new_seq(self, seq: NewSeq) -> None:
+        self._check_slot(seq.slot)
+        if self.slots.active[seq.slot]:
+            raise PlanError(f"slot {seq.slot} is already in use (rid {seq.rid}); free it first")
+        self._check_blocks(seq.slot, seq.block_ids, len(seq.block_ids))
+        if not 0 <= seq.num_cached_tokens <= len(seq.block_ids) * self.block_size:
+            raise PlanError(
+                f"slot {seq.slot}: num_cached_tokens {seq.num_cached_tokens} is not covered by "
+                f"{len(seq.block_ids)} blocks"
+            )
+        error = self.sampler.validate(seq.sampling)
+        if error:
+            raise PlanError(f"request {seq.rid}: {error}")
+
+    def _check_chunk(self, chunk: SeqChunk, new: NewSeq | None) -> None:
+        self._check_slot(chunk.slot)
+        s = self.slots
+        if new is None and not s.active[chunk.slot]:
+            raise PlanError(f"chunk for slot {chunk.slot}, which holds no sequence")
+        blocks = (len(new.block_ids) if new else s.num_blocks[chunk.slot]) + len(chunk.append_block_ids)
+        self._check_blocks(chunk.slot, chunk.append_block_ids, blocks)
+        if chunk.token_ids:
+            ids = torch.tensor(chunk.token_ids, dtype=torch.int64)
+            if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
+                raise PlanError(
+                    f"slot {chunk.slot}: a token id is outside the vocabulary [0, {self.vocab_size})"
+                )
+        elif new is not None or not s.has_token[chunk.slot]:
+            raise PlanError(f"decode chunk for slot {chunk.slot}, which has no sampled token to feed")
+        elif not chunk.sample:
+            raise PlanError(f"decode chunk for slot {chunk.slot} must sample")
+        start = new.num_cached_tokens if new else s.seq_len[chunk.slot]
+        end = start + max(len(chunk.token_ids), 1)
+        if end > blocks * self.block_size:
+            raise PlanError(
+                f"slot {chunk.slot}: context of {end} tokens exceeds its {blocks} blocks of {self.block_size}"
+            )
+        if end > self.max_model_len:
+            raise PlanError(
+                f"slot {chunk.slot}: context of {end} tokens exceeds max_model_len {self.max_model_len}"
+            )
+
+
+def _positive(name: str, value: int) -> int:
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def _split(total: int, limit: int) -> list[int]:
+    """total tokens as pieces of at most `limit`."""
+    return [limit] * (total // limit) + ([total % limit] if total % limit else [])

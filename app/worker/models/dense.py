@@ -1,0 +1,228 @@
+"""The dense decoder-only transformer that Llama, Mistral, Qwen2 and Qwen3 share.
+
+Families differ only in a few switches (DenseOptions): biases on the projections and per-head
+q/k RMSNorm. Parameter names follow the Hugging Face checkpoints, except that q/k/v and gate/up
+are fused (qkv_proj, gate_up_proj); `checkpoint_target` maps checkpoint names onto them.
+
+Forward works on a flat batch of T tokens from any number of sequences (varlen): the attention
+metadata says which tokens belong to which sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from app.worker.attention import AttentionMetadata, AttentionSpec
+from app.worker.kv_cache import KVCacheSpec
+from app.worker.layers import (
+    GateUpLinear,
+    Linear,
+    LMHead,
+    QKVLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    SiluAndMul,
+    VocabEmbedding,
+    apply_rotary,
+    rope_spec_from_config,
+)
+
+
+@dataclass(frozen=True)
+class DenseOptions:
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+
+
+@dataclass(frozen=True)
+class DenseDims:
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    num_layers: int
+    vocab_size: int
+    eps: float
+
+    @classmethod
+    def from_config(cls, config: Any) -> DenseDims:
+        heads = config.num_attention_heads
+        return cls(
+            hidden=config.hidden_size,
+            num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            intermediate=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            vocab_size=config.vocab_size,
+            eps=config.rms_norm_eps,
+        )
+
+
+class DenseAttention(nn.Module):
+    def __init__(self, dims: DenseDims, opts: DenseOptions, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.dims = dims
+        self.qkv_proj = QKVLinear(
+            dims.hidden, dims.num_heads, dims.num_kv_heads, dims.head_dim, opts.qkv_bias, dtype
+        )
+        self.o_proj = Linear(dims.num_heads * dims.head_dim, dims.hidden, opts.o_bias, dtype)
+        if opts.qk_norm:
+            self.q_norm = RMSNorm(dims.head_dim, dims.eps, dtype)
+            self.k_norm = RMSNorm(dims.head_dim, dims.eps, dtype)
+        self.qk_norm = opts.qk_norm
+
+    def forward(
+        self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata
+    ) -> torch.Tensor:
+        d = self.dims
+        q, k, v = self.qkv_proj.forward_split(hidden)
+        q = q.view(-1, d.num_heads, d.head_dim)
+        k = k.view(-1, d.num_kv_heads, d.head_dim)
+        v = v.view(-1, d.num_kv_heads, d.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, k, *rope)
+        out = attn.backend.forward(self.layer_idx, q, k, v, attn)
+        return self.o_proj(out.reshape(-1, d.num_heads * d.head_dim))
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, dims: DenseDims, opts: DenseOptions, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = GateUpLinear(dims.hidden, dims.intermediate, opts.mlp_bias, dtype)
+        self.act = SiluAndMul()
+        self.down_proj = Linear(dims.intermediate, dims.hidden, opts.mlp_bias, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DenseDecoderLayer(nn.Module):
+    def __init__(self, dims: DenseDims, opts: DenseOptions, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(dims.hidden, dims.eps, dtype)
+        self.self_attn = DenseAttention(dims, opts, layer_idx, dtype)
+        self.post_attention_layernorm = RMSNorm(dims.hidden, dims.eps, dtype)
+        self.mlp = DenseMLP(dims, opts, dtype)
+
+    def forward(
+        self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata
+    ) -> torch.Tensor:
+        # Residual adds in the activation dtype, in transformers' order.
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, attn)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DenseModel(nn.Module):
+    def __init__(
+        self, dims: DenseDims, opts: DenseOptions, rotary: RotaryEmbedding, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(dims.vocab_size, dims.hidden, dtype)
+        self.layers = nn.ModuleList(DenseDecoderLayer(dims, opts, i, dtype) for i in range(dims.num_layers))
+        self.norm = RMSNorm(dims.hidden, dims.eps, dtype)
+        self.rotary = rotary
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        rope = self.rotary.cos_sin(positions, hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, rope, attn)
+        return self.norm(hidden)
+
+
+# (fused parameter infix, checkpoint infix, shard id)
+STACKED_PARAMS: tuple[tuple[str, str, str], ...] = (
+    (".qkv_proj.", ".q_proj.", "q"),
+    (".qkv_proj.", ".k_proj.", "k"),
+    (".qkv_proj.", ".v_proj.", "v"),
+    (".gate_up_proj.", ".gate_proj.", "gate"),
+    (".gate_up_proj.", ".up_proj.", "up"),
+)
+
+
+class DenseCausalLM(nn.Module):
+    """Base of every dense family; subclasses choose the DenseOptions from the config."""
+
+    architectures: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def options(cls, config: Any) -> DenseOptions:
+        raise NotImplementedError(f"{cls.__name__} must choose its DenseOptions")
+
+    def __init__(self, config: Any, dtype: torch.dtype, max_positions: int) -> None:
+        super().__init__()
+        _check_supported(config, max_positions)
+        self.dims = dims = DenseDims.from_config(config)
+        self.dtype = dtype
+        rotary = RotaryEmbedding(rope_spec_from_config(config, dims.head_dim), max_positions)
+        self.model = DenseModel(dims, self.options(config), rotary, dtype)
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = LMHead(dims.vocab_size, dims.hidden, dtype, self.model.embed_tokens if tied else None)
+
+    @property
+    def attention_spec(self) -> AttentionSpec:
+        d = self.dims
+        return AttentionSpec(d.num_heads, d.num_kv_heads, d.head_dim, d.head_dim**-0.5)
+
+    def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
+        return KVCacheSpec(self.dims.num_layers, self.dims.num_kv_heads, self.dims.head_dim, dtype)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata
+    ) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden]."""
+        return self.model(input_ids, positions, attn)
+
+    def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
+        """[B, hidden] (only the rows that sample) -> float32 logits [B, vocab]."""
+        return self.lm_head(hidden_rows)
+
+    # ---- checkpoint name mapping, used by the loader
+
+    def checkpoint_target(self, name: str) -> tuple[str, str | None]:
+        """Checkpoint tensor name -> (parameter name, shard id or None for a whole parameter)."""
+        for fused, part, shard in STACKED_PARAMS:
+            if part in name:
+                return name.replace(part, fused), shard
+        return name, None
+
+    def checkpoint_names(self, param_name: str) -> list[tuple[str, str | None]]:
+        """The checkpoint tensors (name, shard id) that together fill one parameter."""
+        parts = [
+            (param_name.replace(fused, part), shard)
+            for fused, part, shard in STACKED_PARAMS
+            if fused in param_name
+        ]
+        return parts or [(param_name, None)]
+
+    def ignores_checkpoint_tensor(self, name: str) -> bool:
+        """Tensors some checkpoints carry that this model derives instead."""
+        if name.endswith("rotary_emb.inv_freq"):
+            return True
+        return self.lm_head.tied and name == "lm_head.weight"
+
+
+def _check_supported(config: Any, max_positions: int) -> None:
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or []
+    sliding = window is not None and (not layer_types or "sliding_attention" in layer_types)
+    if sliding and max_positions > window:
+        raise ValueError(
+            f"sliding-window attention (window {window}) is not supported; with --max-model-len <= {window} "
+            f"full attention is identical, got max_model_len {max_positions}"
+        )

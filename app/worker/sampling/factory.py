@@ -1,0 +1,30 @@
+"""make_sampler: the sampler a `--sampling-backend` value names."""
+
+from __future__ import annotations
+
+import torch
+
+from app.worker.sampling.greedy import GreedySampler
+from app.worker.sampling.output import SamplerBackend
+from app.worker.sampling.torch_sampler import Sampler
+
+BACKENDS = (None, "greedy")
+
+
+def make_sampler(
+    backend: str | None,
+    vocab_size: int,
+    eos_token_ids: list[int],
+    device: torch.device,
+    max_slots: int,
+    seed: int | None = None,
+) -> SamplerBackend:
+    """None: the portable torch sampler (seed: the process-wide seed, see Sampler); "greedy": argmax only."""
+    if backend is None:
+        return Sampler(vocab_size, eos_token_ids, device, max_slots, seed=seed)
+    if backend == "greedy":
+        return GreedySampler(vocab_size, device, max_slots)
+    raise ValueError(
+        f"unknown sampling backend {backend!r}: this build implements the portable torch sampler "
+        "(no backend given) and 'greedy'"
+    )

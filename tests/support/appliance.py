@@ -1,0 +1,102 @@
+"""Start the whole appliance (`tokenspeed serve`, all processes) for a test, and stop it."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Appliance:
+    """One `tokenspeed serve` process tree on a free port; logs go to a file for assertions."""
+
+    def __init__(self, model: str | Path, *flags: str, env: dict[str, str] | None = None, log_dir: Path) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"appliance-{self.port}.log"
+        cmd = [sys.executable, "-m", "app.cli", "serve", str(model), "--port", str(self.port), "--device", "cpu"]
+        cmd += ["--log-level", "info", *flags]
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO, env=full_env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        self.children: list[psutil.Process] = []
+
+    def wait_ready(self, timeout: float = 180.0) -> Appliance:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"appliance exited with {self.proc.returncode}:\n{self.logs()[-4000:]}")
+            try:
+                if httpx.get(f"{self.base_url}/readiness", timeout=2).status_code == 200:
+                    self.children = psutil.Process(self.proc.pid).children(recursive=True)
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.kill()
+        raise TimeoutError(f"appliance not ready in {timeout}s:\n{self.logs()[-4000:]}")
+
+    def logs(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def child_pid(self, name: str) -> int:
+        """A child's pid by its role (http, tokenizer, scheduler, worker0), from the start-up log."""
+        match = re.search(rf"started {name} \(pid (\d+)\)", self.logs())
+        if match is None:
+            raise LookupError(name)
+        return int(match.group(1))
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM (graceful drain); returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._log.close()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+
+    def leftover_processes(self) -> list[psutil.Process]:
+        alive = []
+        for proc in self.children:
+            try:
+                if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(proc)
+            except psutil.NoSuchProcess:
+                continue
+        return alive
+
+    def __enter__(self) -> Appliance:
+        return self.wait_ready()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        for proc in self.leftover_processes():
+            proc.kill()

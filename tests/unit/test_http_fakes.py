@@ -1,0 +1,202 @@
+"""An in-process engine for the HTTP tests: it answers GenerateRequests from a script, records every
+message the HTTP process sends, and can hold requests so tests decide what happens next.
+
+Fake tokenization, shared with the tests' expectations: a text prompt has one token per
+whitespace-separated word, an input_ids prompt its ids, a chat one token per word of content plus
+3 per message. Output piece i is token id 100 + i.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import uvicorn
+
+from app.http.engine_client import BaseEngineClient
+from app.http.server import build_app
+from app.protocol import (
+    FINISH_ABORT,
+    AbortRequest,
+    ControlReply,
+    ControlRequest,
+    EngineReady,
+    GenerateRequest,
+    TextDelta,
+    TextDeltas,
+    TokenLogprobs,
+)
+
+MODEL = "tiny-model"
+MODEL_PATH = "/models/tiny"
+VOCAB = 512
+INFO = {"max_model_len": 2048, "vocab_size": VOCAB, "eos_token_ids": [2], "num_blocks": 64, "block_size": 16}
+PIECES = ["Hello", " world", ",", " how", " are", " you", "?"]
+
+Script = Callable[[GenerateRequest], list[TextDelta] | None]
+
+
+def settings(**overrides: Any) -> SimpleNamespace:
+    """A stand-in for app.config.Settings with the fields the HTTP process reads."""
+    values = dict(
+        host="127.0.0.1", port=0, model=MODEL_PATH, tokenizer=None, served_model_name=MODEL, api_key=None,
+        enable_cache_report=False, weight_version="default", stream_interval=1, stream_output=False,
+        log_level="info", log_level_http=None, enable_log_requests=False, log_requests_level=0,
+        drain_timeout=5.0,
+    )
+    values.update(overrides)
+    return SimpleNamespace(**values)
+
+
+def prompt_len(req: GenerateRequest) -> int:
+    if req.text is not None:
+        return len(req.text.split())
+    if req.input_ids is not None:
+        return len(req.input_ids)
+    assert req.messages is not None
+    return sum(len(m["content"].split()) + 3 for m in req.messages)
+
+
+def _logprobs(req: GenerateRequest, index: int) -> tuple[TokenLogprobs, str, list[str]]:
+    k = req.sampling.top_logprobs
+    lp = -0.5 * (index + 1)
+    top_ids = [100 + index] + [300 + j for j in range(k - 1)] if k else []
+    top_lps = [lp - 0.25 * j for j in range(len(top_ids))]
+    return TokenLogprobs(100 + index, lp, top_ids, top_lps), PIECES[index], [f"<{t}>" for t in top_ids]
+
+
+def script_pieces(pieces: list[str] = PIECES, finish: str = "stop", cached: int = 0) -> Script:
+    """Answer with the given pieces, one delta per token when streaming (one delta otherwise, as the
+    tokenizer does), finishing with `finish`, or "length" when max_new_tokens cuts it short."""
+
+    def run(req: GenerateRequest) -> list[TextDelta]:
+        limit = req.sampling.max_new_tokens or len(pieces)
+        used = pieces[:limit]
+        reason = finish if len(used) == len(pieces) else "length"
+        deltas = []
+        for i, piece in enumerate(used):
+            d = TextDelta(rid=req.rid, text=piece, token_ids=[100 + i], prompt_tokens=prompt_len(req),
+                          completion_tokens=i + 1, cached_tokens=cached)
+            if req.sampling.logprobs:
+                lp, text, tops = _logprobs(req, i)
+                d.logprobs, d.token_texts, d.top_token_texts = [lp], [text], [tops]
+            deltas.append(d)
+        if not req.stream:
+            deltas = [_merge(deltas)]
+        deltas[-1].finish_reason = reason
+        deltas[-1].matched_stop = 2 if reason == "stop" else None
+        if req.return_prompt_ids:
+            deltas[0].prompt_ids = list(req.input_ids or [1, 2, 3])
+            deltas[0].prompt_text = req.text if req.text is not None else "<decoded prompt>"
+        return deltas
+
+    return run
+
+
+def _merge(deltas: list[TextDelta]) -> TextDelta:
+    out = TextDelta(rid=deltas[0].rid, text="", token_ids=[])
+    for d in deltas:
+        out.text += d.text
+        out.token_ids += d.token_ids
+        out.logprobs += d.logprobs
+        out.token_texts += d.token_texts
+        out.top_token_texts += d.top_token_texts
+        out.prompt_tokens, out.completion_tokens, out.cached_tokens = (
+            d.prompt_tokens, d.completion_tokens, d.cached_tokens)
+    return out
+
+
+def script_error(code: int, message: str) -> Script:
+    def run(req: GenerateRequest) -> list[TextDelta]:
+        return [TextDelta(rid=req.rid, text="", token_ids=[], finish_reason=FINISH_ABORT, error=message,
+                          error_code=code)]
+
+    return run
+
+
+def hold(req: GenerateRequest) -> None:
+    """Never answer: the test delivers deltas itself (or expects an abort)."""
+    return None
+
+
+class FakeEngine(BaseEngineClient):
+    def __init__(self, script: Script | None = None, ready: bool = True, answer_aborts: bool = True) -> None:
+        super().__init__()
+        self.script = script or script_pieces()
+        self.answer_aborts = answer_aborts
+        self.sent: list[Any] = []
+        self.control_reply: Callable[[ControlRequest], ControlReply | None] = (
+            lambda msg: ControlReply(msg.req_id, True, "Cache flushed."))
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.events = threading.Event()  # set on every message sent (tests wait on it)
+        if ready:
+            self.become_ready()
+
+    def become_ready(self, info: dict[str, Any] | None = None) -> None:
+        self._dispatch(EngineReady(dict(info or INFO)))
+
+    def _send(self, msg: Any) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.sent.append(msg)
+        self.events.set()
+        if isinstance(msg, GenerateRequest):
+            deltas = self.script(msg)
+            for delta in deltas or []:
+                self.loop.call_soon(self._dispatch, TextDeltas([delta]))
+        elif isinstance(msg, ControlRequest):
+            reply = self.control_reply(msg)
+            if reply is not None:
+                self.loop.call_soon(self._dispatch, reply)
+        elif isinstance(msg, AbortRequest) and self.answer_aborts:
+            rids = self.inflight_rids() if msg.abort_all else [msg.rid]
+            aborted = [TextDelta(rid=r, text="", token_ids=[], finish_reason=FINISH_ABORT, error=msg.reason)
+                       for r in rids if r in self._sinks]
+            if aborted:
+                self.loop.call_soon(self._dispatch, TextDeltas(aborted))
+
+    def deliver(self, *deltas: TextDelta) -> None:
+        """Hand deltas in from any thread."""
+        assert self.loop is not None
+        self.loop.call_soon_threadsafe(self._dispatch, TextDeltas(list(deltas)))
+
+    @property
+    def generates(self) -> list[GenerateRequest]:
+        return [m for m in self.sent if isinstance(m, GenerateRequest)]
+
+    @property
+    def aborts(self) -> list[AbortRequest]:
+        return [m for m in self.sent if isinstance(m, AbortRequest)]
+
+    @property
+    def controls(self) -> list[ControlRequest]:
+        return [m for m in self.sent if isinstance(m, ControlRequest)]
+
+
+class LiveServer:
+    """A real uvicorn on a free port, in a thread, serving build_app around a FakeEngine."""
+
+    def __init__(self, engine: FakeEngine, **setting_overrides: Any) -> None:
+        self.engine = engine
+        self.app = build_app(settings(**setting_overrides), engine)
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=0, lifespan="on", log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        for _ in range(500):
+            if self.server.started:
+                break
+            self.thread.join(0.01)
+        assert self.server.started, "uvicorn did not start"
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        assert not self.thread.is_alive()

@@ -1,0 +1,54 @@
+"""Loading the tokenizer from settings, and the EOS ids it reports."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from app.tokenizer.loader import eos_token_ids, load_tokenizer, load_tokenizer_from_settings, tokenizer_source
+from tests.support.tokenizer_factory import VOCAB_SIZE, build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok")
+    build_tokenizer(path)
+    return path
+
+
+def settings(**kw):
+    base = dict(model="/nonexistent", tokenizer=None, tokenizer_mode="auto", trust_remote_code=False,
+                revision=None, download_dir=None)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_source_prefers_tokenizer_over_model():
+    assert tokenizer_source(settings(model="m", tokenizer="t")) == "t"
+    assert tokenizer_source(settings(model="m")) == "m"
+
+
+def test_load_from_local_dir(tok_dir):
+    tok = load_tokenizer_from_settings(settings(model=str(tok_dir)))
+    assert tok.is_fast
+    assert len(tok) <= VOCAB_SIZE
+    assert tok.decode(tok.encode("Hello, world!")) == "Hello, world!"
+
+
+def test_slow_mode_is_rejected(tok_dir):
+    with pytest.raises(ValueError, match="tokenizer-mode 'slow' is not supported"):
+        load_tokenizer(str(tok_dir), tokenizer_mode="slow")
+
+
+def test_eos_from_tokenizer_only(tok_dir):
+    tok = load_tokenizer(str(tok_dir))
+    assert eos_token_ids(tok, str(tok_dir)) == [tok.convert_tokens_to_ids("<|im_end|>")]
+
+
+def test_eos_merges_generation_config(tok_dir, tmp_path):
+    for f in tok_dir.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    tok = load_tokenizer(str(tmp_path))
+    assert eos_token_ids(tok, str(tmp_path)) == [2, 0]

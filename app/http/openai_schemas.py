@@ -53,6 +53,9 @@ _NOT_BUILT_CHAT: dict[str, Callable[[Any], bool]] = {
     "metadata": lambda v: v is None,
     "web_search_options": lambda v: v is None,
     "prompt_cache_key": lambda v: v is None,
+    "prompt_cache_options": lambda v: v is None,
+    "prompt_cache_retention": lambda v: v is None,
+    "moderation": lambda v: v is None,
     "safety_identifier": lambda v: v is None,
     "verbosity": lambda v: v is None,
 }

@@ -50,13 +50,18 @@ def check_stop(value: list[str] | None) -> list[str] | None:
     return value
 
 
+def _outside(tid: int, vocab_size: int | None) -> str | None:
+    if tid < 0 or (vocab_size is not None and tid >= vocab_size):
+        bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+        return f"token id {tid} is outside {bound}"
+    return None
+
+
 def check_token_ids(ids: list[int], vocab_size: int | None, param: str) -> None:
     """Token ids must lie in [0, vocab_size) (the upper bound once the engine reported it)."""
     for i, tid in enumerate(ids):
-        if tid < 0 or (vocab_size is not None and tid >= vocab_size):
-            bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
-            raise bad_request(f"invalid value for '{param}[{i}]': token id {tid} is outside {bound}",
-                              param=f"{param}[{i}]")
+        if (problem := _outside(tid, vocab_size)) is not None:
+            raise bad_request(f"invalid value for '{param}[{i}]': {problem}", param=f"{param}[{i}]")
 
 
 def logit_bias_ids(bias: dict[str, float] | None, vocab_size: int | None, param: str = "logit_bias") -> dict[int, float]:
@@ -67,9 +72,9 @@ def logit_bias_ids(bias: dict[str, float] | None, vocab_size: int | None, param:
         try:
             tid = int(key)
         except ValueError:
-            raise bad_request(f"invalid key in '{param}': {key!r} is not a token id", param=path) from None
-        if tid < 0 or (vocab_size is not None and tid >= vocab_size):
-            raise bad_request(f"invalid key in '{param}': token id {tid} is outside [0, {vocab_size})", param=path)
+            raise bad_request(f"invalid value for '{path}': {key!r} is not a token id", param=path) from None
+        if (problem := _outside(tid, vocab_size)) is not None:
+            raise bad_request(f"invalid value for '{path}': {problem}", param=path)
         if not -100 <= value <= 100:
             raise bad_request(f"invalid value for '{path}': bias {value} is outside [-100, 100]", param=path)
         out[tid] = float(value)

@@ -44,7 +44,7 @@ class RequestGroup:
                 self._subs.append(state.client.submit(req, functools.partial(self._on_delta, i)))
         except DuplicateRequestId as exc:
             self.close()
-            raise bad_request(str(exc), param="rid") from exc
+            raise bad_request(f"invalid value for 'rid': {exc}", param="rid") from exc
         except EngineUnavailable as exc:
             self.close()
             raise APIError(503, f"the engine is unavailable: {exc}") from exc

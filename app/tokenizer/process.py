@@ -15,7 +15,7 @@ from typing import Any
 
 import zmq
 
-from app import ipc
+from app import ipc, lifecycle
 from app.ipc import Endpoints
 from app.protocol import ProcessReady, ProtocolError, Shutdown
 from app.tokenizer.chat import resolve_chat_template
@@ -33,10 +33,9 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 
 
 def run_tokenizer(settings: Any, endpoints: Endpoints) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    """Process entry (multiprocessing spawn target)."""
+    lifecycle.init_child("tokenizer", settings.log_level)  # logging, SIGINT ignored, dies with parent
     signal.signal(signal.SIGTERM, _on_sigterm)
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s tokenizer %(levelname)s %(message)s")
     ctx = zmq.Context()
     sockets: list[zmq.Socket] = []
     try:
@@ -60,7 +59,7 @@ def _build_core(settings: Any) -> tuple[TokenizerCore, dict[str, Any]]:
     if settings.skip_tokenizer_init:
         logger.info("tokenizer: --skip-tokenizer-init: serving token-id prompts only")
         tokenizer = None
-        info: dict[str, Any] = {"vocab_size": None, "eos_token_ids": []}
+        info: dict[str, Any] = {}  # nothing known: the worker's figures stand
     else:
         tokenizer = load_tokenizer_from_settings(settings)
         eos = eos_token_ids(tokenizer, tokenizer_source(settings), revision=settings.revision,

@@ -82,6 +82,7 @@ def build_tiny_model(
     else:
         if max_shard_size is not None:
             raise ValueError("max_shard_size applies to safetensors only")
+        config.architectures = [type(model).__name__]
         config.save_pretrained(out)
         model.generation_config.save_pretrained(out)
         state = {k: v.contiguous() for k, v in model.state_dict().items()}

@@ -122,3 +122,37 @@ def test_failed_conversion_leaves_nothing_behind(tmp_path, monkeypatch):
         prep.prepare(out)
     assert not out.exists()
     assert list(out.parent.iterdir()) == []  # no staging or download dirs left
+
+
+@needs_model
+def test_chat_through_the_tokenizer_core_answers_paris():
+    """Prompt from the chat template, tokens from transformers' greedy generate, text from the core."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from app.protocol import EngineReady, GenerateRequest, SamplingParams, TokenDelta, TokenDeltas
+    from app.tokenizer.core import TokenizerCore
+    from app.tokenizer.loader import load_tokenizer
+
+    tok = load_tokenizer(MODEL_DIR)
+    core = TokenizerCore(tok, stream_interval=1)
+    core.handle(EngineReady({"max_model_len": 8192, "vocab_size": 49152, "eos_token_ids": [2]}))
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    [out] = core.handle(GenerateRequest(rid="q", sampling=SamplingParams(max_new_tokens=24, temperature=0.0),
+                                        messages=messages, stream=True))
+    prompt = out.msg.prompt_ids
+    model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.bfloat16)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
+    new = gen[0, len(prompt):].tolist()
+    new = new[: new.index(2) + 1] if 2 in new else new  # generate pads after EOS
+    text = ""
+    for i, tid in enumerate(new):
+        last = i == len(new) - 1
+        finish = ("stop" if tid == 2 else "length") if last else None
+        delta = TokenDelta("q", [tid], finish_reason=finish, matched_stop=2 if finish == "stop" else None,
+                           completion_tokens=i + 1)
+        text += "".join(d.text for o in core.handle(TokenDeltas([delta])) for d in o.msg.deltas)
+    assert text == tok.decode(new, skip_special_tokens=True)
+    assert "Paris" in text

@@ -9,11 +9,13 @@ whitespace-separated word, an input_ids prompt its ids, a chat one token per wor
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
+import httpx
 import uvicorn
 
 from app.http.engine_client import BaseEngineClient
@@ -200,3 +202,31 @@ class LiveServer:
         self.server.should_exit = True
         self.thread.join(10)
         assert not self.thread.is_alive()
+
+
+def asgi_client(engine: FakeEngine, **setting_overrides: Any) -> httpx.AsyncClient:
+    """An httpx client that calls build_app in-process (no lifespan, no sockets)."""
+    app = build_app(settings(**setting_overrides), engine)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+
+
+def sse(text: str) -> list[Any]:
+    """The payloads of an SSE body; [DONE] stays a string."""
+    out = []
+    for event in (e for e in text.split("\n\n") if e):
+        assert event.startswith("data: "), event
+        data = event[len("data: "):]
+        out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def assert_error(resp: httpx.Response, status: int, param: str | None = None) -> dict[str, Any]:
+    """An OpenAI-style error body with this status; param, when given, is named in it."""
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    if param is not None:
+        assert body["error"]["param"] == param
+        assert param in body["error"]["message"]
+    return body["error"]

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +14,7 @@ from app.protocol import SamplingParams
 from app.worker.sampling import GreedySampler, Sampler, make_sampler, truncation
 from app.worker.sampling import torch_sampler as torch_sampler_module
 from app.worker.sampling.truncation import apply_top_k_top_p
+from app.worker.sampling.validation import check_for_backend
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -66,8 +70,8 @@ def test_seed_reproducible_whatever_the_batch(device: torch.device) -> None:
     gen = torch.Generator().manual_seed(3)
     mixed = []
     for row in steps:
-        order = [5, *others][:: 1 if len(mixed) % 2 else -1]
-        order = [order[i] for i in torch.randperm(len(order), generator=gen).tolist()]
+        slots = [5, *others]
+        order = [slots[i] for i in torch.randperm(len(slots), generator=gen).tolist()]
         logits = torch.randn(len(order), 64, generator=gen)
         logits[order.index(5)] = row
         out = sampler.sample(logits.to(device), order)
@@ -288,6 +292,27 @@ def test_make_sampler_backends(device: torch.device) -> None:
         make_sampler("flashinfer", 16, [15], device, 4)
     with pytest.raises(ValueError, match="'torch'"):
         make_sampler("torch", 16, [15], device, 4)
+
+
+def test_check_for_backend_answers_like_the_samplers() -> None:
+    requests = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, top_k=4),
+        SamplingParams(temperature=0.0, repetition_penalty=1.2),
+        SamplingParams(top_p=2.0),
+    ]
+    for backend in (None, "greedy"):
+        sampler = make_sampler(backend, 16, [15], torch.device("cpu"), 2)
+        answers = [sampler.validate(params) for params in requests]
+        assert [check_for_backend(backend, params, 16) for params in requests] == answers
+    assert [a is None for a in answers] == [True, False, False, False]
+    with pytest.raises(ValueError, match="triton"):
+        check_for_backend("triton", requests[0], 16)
+
+
+def test_validation_imports_without_torch() -> None:
+    code = "import sys, app.worker.sampling.validation; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=Path(__file__).parents[2])
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,10 @@
-"""Sampling in the worker: logits [B, V] -> one token per row (see torch_sampler.py for the steps).
+"""Sampling in the worker: logits [B, V] -> one token per row.
 
-Public: Sampler (portable torch sampler), GreedySampler, SamplerOutput, SamplerBackend, make_sampler,
-and validation.check_params. Attributes load lazily so that `app.worker.sampling.validation` can
-be imported without torch (the HTTP layer validates requests with it).
+Public: Sampler (the portable torch sampler; torch_sampler.py lists the steps), GreedySampler
+(`--sampling-backend greedy`), SamplerOutput, SamplerBackend (the interface both implement) and
+make_sampler. Logprobs are log_softmax of the logits after bias and penalties, before temperature
+and truncation (logprobs.py). validation.check_for_backend answers what a sampler's validate()
+would, without torch: attributes here load lazily so that importing validation stays torch-free.
 """
 
 from __future__ import annotations

@@ -7,8 +7,7 @@ import torch
 from app.worker.sampling.greedy import GreedySampler
 from app.worker.sampling.output import SamplerBackend
 from app.worker.sampling.torch_sampler import Sampler
-
-BACKENDS = (None, "greedy")
+from app.worker.sampling.validation import unknown_backend
 
 
 def make_sampler(
@@ -24,7 +23,4 @@ def make_sampler(
         return Sampler(vocab_size, eos_token_ids, device, max_slots, seed=seed)
     if backend == "greedy":
         return GreedySampler(vocab_size, device, max_slots)
-    raise ValueError(
-        f"unknown sampling backend {backend!r}: this build implements the portable torch sampler "
-        "(no backend given) and 'greedy'"
-    )
+    raise ValueError(unknown_backend(backend))

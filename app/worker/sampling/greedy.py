@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from app.protocol import SamplingParams
+from app.protocol import SamplingParams, TokenLogprobs
 from app.worker.sampling.logprobs import gather_logprobs
 from app.worker.sampling.output import SamplerOutput, check_logits
 from app.worker.sampling.processors import find_bad_rows
@@ -61,8 +61,12 @@ class GreedySampler:
         s = self._check_active(slots)
         tokens = logits.argmax(dim=-1)
         rows = np.flatnonzero(self._logprobs[s])
-        rows_dev = torch.from_numpy(rows).to(self.device)
-        logprobs = gather_logprobs(logits, tokens, rows, rows_dev, self._top_logprobs[s[rows]], len(slots))
+        logprobs: list[TokenLogprobs | None] = [None] * len(slots)
+        if len(rows):
+            rows_dev = torch.from_numpy(rows).to(self.device)
+            logprobs = gather_logprobs(
+                logits, tokens, rows, rows_dev, self._top_logprobs[s[rows]], len(slots)
+            )
         bad_rows = find_bad_rows(logits).nonzero().flatten().tolist()
         for row in bad_rows:
             logprobs[row] = None

@@ -15,8 +15,7 @@ def find_bad_rows(logits: torch.Tensor) -> torch.Tensor:
 
     One max-reduction covers all three cases: max propagates NaN.
     """
-    row_max = logits.amax(dim=-1)
-    return torch.isnan(row_max) | torch.isinf(row_max)
+    return ~torch.isfinite(logits.amax(dim=-1))
 
 
 def add_logit_bias(
@@ -42,5 +41,5 @@ def apply_presence_frequency(
     logits: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor
 ) -> torch.Tensor:
     """OpenAI semantics over output tokens: logit -= presence * (count > 0) + frequency * count."""
-    present = (counts > 0).to(logits.dtype)
-    return logits - presence.unsqueeze(1) * present - frequency.unsqueeze(1) * counts.to(logits.dtype)
+    penalised = logits - frequency.unsqueeze(1) * counts  # int32 counts promote to float32
+    return penalised.sub_(presence.unsqueeze(1) * (counts > 0))

@@ -26,7 +26,6 @@ class SlotExtras:
 
     rid: str
     seed: int | None
-    generator: torch.Generator | None
     bias_ids: np.ndarray  # int64 token ids of logit_bias
     bias_values: np.ndarray  # float32
     blocked_ids: np.ndarray  # int64: EOS and stop ids, masked while output < min_new_tokens
@@ -92,12 +91,10 @@ class SlotTable:
             self._write_history(slot, prompt_ids, output_ids)
 
     def _extras(self, rid: str, p: SamplingParams) -> SlotExtras:
-        generator = None if p.seed is None else torch.Generator(device=self.device)
         blocked = np.union1d(self.eos_ids, np.asarray(p.stop_token_ids, dtype=np.int64))
         return SlotExtras(
             rid=rid,
             seed=p.seed,
-            generator=generator,
             bias_ids=np.fromiter(p.logit_bias.keys(), dtype=np.int64, count=len(p.logit_bias)),
             bias_values=np.fromiter(p.logit_bias.values(), dtype=np.float32, count=len(p.logit_bias)),
             blocked_ids=blocked.astype(np.int64),
@@ -125,13 +122,13 @@ class SlotTable:
         if not held.all():
             raise KeyError(f"slot {int(slots[~held][0])} holds no sequence")
 
-    def seeded_draws(self, slots: np.ndarray) -> list[tuple[torch.Generator, int]]:
-        """(generator, seed for the next position) of each seeded slot in `slots`, in order."""
-        draws = []
-        for slot in slots.tolist():
-            extras = self.extras[slot]
-            draws.append((extras.generator, position_seed(extras.seed, int(self.num_output[slot]))))
-        return draws
+    def position_seeds(self, slots: np.ndarray) -> list[int]:
+        """The generator seed of the next output position of each (seeded) slot in `slots`."""
+        extras = self.extras
+        return [
+            position_seed(extras[slot].seed, position)
+            for slot, position in zip(slots.tolist(), self.num_output[slots].tolist(), strict=True)
+        ]
 
     def record(
         self, slots: np.ndarray, penalised_slots: torch.Tensor, penalised_tokens: torch.Tensor

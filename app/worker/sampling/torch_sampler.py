@@ -8,7 +8,7 @@ A step, on float32 [B, V] logits whose row i belongs to slots[i]:
      (OpenAI) over output tokens. These are the "processed logits" that logprobs describe;
   5. greedy rows (temperature <= 1e-6) take the argmax; the others are divided by their temperature,
      truncated by top-k, top-p and min-p (truncation.py) and sampled by the exponential race
-     (randomness.py: per-sequence generators for seeded requests, one shared one otherwise).
+     (randomness.py: a per-position seed for seeded requests, one shared generator otherwise).
 Every stage runs only over the rows that need it; top-k / top-p run only when a sampled row uses
 one of them, over a partial sort (topk) where that is exact. The sampled tokens are recorded in the
 slots' history before returning.
@@ -60,6 +60,7 @@ class Sampler:
         self._table = SlotTable(vocab_size, eos_token_ids, self.device, max_slots)
         self._shared = torch.Generator(device=self.device)
         self._shared.manual_seed(torch.initial_seed() if seed is None else seed)
+        self._seeded = torch.Generator(device=self.device)  # re-seeded before each seeded row's draw
 
     @property
     def state_bytes(self) -> int:
@@ -150,6 +151,6 @@ class Sampler:
         if plan.need_min_p:
             rows = apply_min_p(rows, dev["min_p"])
         seeded_slots = plan.slots[plan.sample_rows[plan.num_unseeded :]]
-        draws = self._table.seeded_draws(seeded_slots)
-        noise = gumbel_noise(self.vocab_size, plan.num_unseeded, self._shared, draws, x.device)
+        seeds = self._table.position_seeds(seeded_slots)
+        noise = gumbel_noise(self.vocab_size, plan.num_unseeded, self._shared, self._seeded, seeds)
         return (rows + noise).argmax(dim=-1)

@@ -100,3 +100,21 @@ def check_greedy_params(params: SamplingParams, vocab_size: int) -> str | None:
     if params.logit_bias:
         return "sampling backend 'greedy' does not implement logit_bias"
     return None
+
+
+BACKENDS = (None, "greedy")  # --sampling-backend values this build implements (None: portable torch)
+
+
+def unknown_backend(backend: object) -> str:
+    return (
+        f"unknown sampling backend {backend!r}: this build implements the portable torch sampler "
+        "(no backend given) and 'greedy'"
+    )
+
+
+def check_for_backend(backend: str | None, params: SamplingParams, vocab_size: int) -> str | None:
+    """What validate() of make_sampler(backend, ...) answers, without building a sampler (or torch)."""
+    if backend not in BACKENDS:
+        raise ValueError(unknown_backend(backend))
+    check = check_greedy_params if backend == "greedy" else check_params
+    return check(params, vocab_size)

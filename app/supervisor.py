@@ -89,7 +89,8 @@ class Supervisor:
 
     def announce_ready(self, started: float) -> None:
         worker = self.ready_info.get("worker0", {})
-        info = {**worker, **self.ready_info.get("tokenizer", {}), "startup_seconds": time.time() - started}
+        # The model's figures win (its vocab is often padded past the tokenizer's).
+        info = {**self.ready_info.get("tokenizer", {}), **worker, "startup_seconds": time.time() - started}
         for name in ("tokenizer", "http"):
             push = ipc.connect_push(self.ctx, self.endpoints.inbox(name))
             ipc.send(push, p.EngineReady(info))

@@ -15,7 +15,6 @@ class ResponseMeta:
     id: str
     created: int
     model: str
-    num_prompts: int
     n: int
     cache_report: bool
 

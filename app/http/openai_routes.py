@@ -46,9 +46,9 @@ def fan_out(rid: str, n: int, sampling: SamplingParams, prompts: list[dict[str, 
     return out
 
 
-def _meta(state: ServerState, rid: str, num_prompts: int, n: int) -> ResponseMeta:
+def _meta(state: ServerState, rid: str, n: int) -> ResponseMeta:
     cfg = state.config
-    return ResponseMeta(rid, int(time.time()), cfg.served_model_name, num_prompts, n, cfg.enable_cache_report)
+    return ResponseMeta(rid, int(time.time()), cfg.served_model_name, n, cfg.enable_cache_report)
 
 
 def _prompt_fields(prompt: Prompt) -> dict[str, Any]:
@@ -72,7 +72,7 @@ async def completions(request: Request) -> Response:
     check_model(body.model, state.config.model_names())
     rid = f"cmpl-{uuid.uuid4().hex}"
     prompts = body.prompts
-    meta = _meta(state, rid, len(prompts), body.n or 1)
+    meta = _meta(state, rid, body.n or 1)
     stream = bool(body.stream)
     requests = fan_out(rid, meta.n, sampling, [_prompt_fields(p) for p in prompts], stream=stream,
                        return_prompt_ids=bool(body.echo))
@@ -91,7 +91,7 @@ async def chat_completions(request: Request) -> Response:
     body, sampling = parse_chat(await read_object(request), state.client.info.get("vocab_size"))
     check_model(body.model, state.config.model_names())
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    meta = _meta(state, rid, 1, body.n or 1)
+    meta = _meta(state, rid, body.n or 1)
     messages = [m.to_engine() for m in body.messages]
     stream = bool(body.stream)
     requests = fan_out(rid, meta.n, sampling, [{"messages": messages}], stream=stream,

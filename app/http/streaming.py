@@ -15,7 +15,7 @@ import anyio
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from app.http.engine_client import DuplicateRequestId, EngineUnavailable, delta_error, is_terminal
+from app.http.engine_client import DuplicateRequestId, EngineUnavailable, Submission, delta_error, is_terminal
 from app.http.errors import APIError, ClientGone, bad_request, error_body
 from app.http.state import ServerState
 from app.protocol import GenerateRequest, TextDelta
@@ -34,7 +34,7 @@ class RequestGroup:
     def __init__(self, state: ServerState, requests: Sequence[GenerateRequest]) -> None:
         self._state = state
         self._queue: asyncio.Queue[Item] = asyncio.Queue()
-        self._subs = []
+        self._subs: list[Submission] = []
         self._pending = len(requests)
         self._closed = False
         self.size = len(requests)
@@ -65,7 +65,7 @@ class RequestGroup:
         return index, delta
 
     async def first_round(self) -> list[Item]:
-        """Read until every request has answered once (an early error or a prompt too long shows here)."""
+        """Read until every request has answered once, or one failed (a prompt too long shows here)."""
         items: list[Item] = []
         seen: set[int] = set()
         while len(seen) < self.size:
@@ -74,6 +74,8 @@ class RequestGroup:
                 break
             items.append(item)
             seen.add(item[0])
+            if delta_error(item[1]) is not None:
+                break
         return items
 
     async def replay(self, prefix: Sequence[Item]) -> AsyncIterator[Item]:

@@ -419,7 +419,7 @@ def test_unsupported_message_names_flag_and_source() -> None:
     ["--enable-mla-l1-5-cache"], ["--mla-chunk-multiplier", "2"], ["--disaggregation-mode", "prefill"],
     ["--disaggregation-bootstrap-port", "9000"], ["--disaggregation-ib-device", "mlx5_0"],
     ["--disaggregation-layerwise-interval", "2"], ["--comm-fusion-max-num-tokens", "1024"],
-    ["--enable-allreduce-fusion"], ["--dp-sampling"],
+    ["--enable-allreduce-fusion"], ["--dp-sampling"], ["--tokenizer-mode", "slow"],
 ])
 def test_unbuilt_features_are_refused(argv: list[str]) -> None:
     message = error_of(["m", *argv])
@@ -428,7 +428,7 @@ def test_unbuilt_features_are_refused(argv: list[str]) -> None:
 
 @pytest.mark.parametrize("argv", [
     ["--attention-backend", "torch"], ["--sampling-backend", "greedy"], ["--load-format", "dummy"],
-    ["--load-format", "pt"], ["--load-format", "safetensors"], ["--tokenizer-mode", "slow"], ["--dtype", "bfloat16"],
+    ["--load-format", "pt"], ["--load-format", "safetensors"], ["--dtype", "bfloat16"],
     ["--dtype", "half"], ["--dtype", "float"], ["--disable-kvstore"], ["--skip-tokenizer-init"],
     ["--trust-remote-code"], ["--enforce-eager"], ["--enable-log-requests", "--log-requests-level", "2"],
     ["--enable-cache-report"], ["--stream-output"], ["--device", "cpu"], ["--seed", "7"], ["--drain-timeout", "0.5"],

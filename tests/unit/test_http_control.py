@@ -346,3 +346,16 @@ async def test_request_logging_never_shows_the_key(caplog: pytest.LogCaptureFixt
     text = caplog.text
     assert "route=/v1/completions" in text and "tell me" in text and "Hello world" in text
     assert "sk-log-secret" not in text
+
+
+async def test_real_settings_object() -> None:
+    from app.config.settings import Settings
+
+    app = build_app(Settings(model="/models/real", served_model_name="real", api_key="sk-real"), FakeEngine())
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        denied = await c.get("/v1/models")
+        info = await c.get("/get_server_info", headers={"Authorization": "Bearer sk-real"})
+        models = await c.get("/v1/models", headers={"x-api-key": "sk-real"})
+    assert_error(denied, 401)
+    assert info.status_code == 200 and "sk-real" not in info.text and info.json()["model"] == "/models/real"
+    assert models.json()["data"][0]["id"] == "real"

@@ -451,10 +451,11 @@ async def test_engine_failure_is_500_with_its_message(stream: bool) -> None:
     assert err["message"] == "CUDA error: device-side assert" and err["type"] == "server_error"
 
 
-async def test_one_failing_choice_fails_the_request_and_aborts_the_others() -> None:
+@pytest.mark.parametrize("stream", [False, True])
+async def test_one_failing_choice_fails_the_request_and_aborts_the_others(stream: bool) -> None:
     fail = script_error(400, "too long")
     engine = FakeEngine(script=lambda req: fail(req) if req.rid.endswith("-1") else None)
     async with asgi_client(engine) as c:
-        r = await c.post("/v1/completions", json={"model": MODEL, "prompt": ["a", "b"]})
+        r = await c.post("/v1/completions", json={"model": MODEL, "prompt": ["a", "b"], "stream": stream})
     assert_error(r, 400)
     assert [a.rid for a in engine.aborts] == [engine.generates[0].rid]

@@ -63,5 +63,8 @@ def unsupported(param: str, detail: str = "") -> APIError:
                     code="unsupported_parameter")
 
 
+CLIENT_CLOSED = 499  # the status logged for a request whose client went away (nginx's convention)
+
+
 class ClientGone(Exception):
     """The client disconnected; its engine requests are already aborted and nobody reads a reply."""

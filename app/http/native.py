@@ -25,6 +25,7 @@ from app.http.sampling import (
     Seed,
     Temperature,
     TokenId,
+    TopK,
     TopP,
     check_stop,
     check_token_ids,
@@ -44,7 +45,7 @@ class NativeSampling(StrictBody):
     min_new_tokens: MinTokens | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
-    top_k: int | None = None
+    top_k: TopK | None = None
     min_p: MinP | None = None
     frequency_penalty: Penalty | None = None
     presence_penalty: Penalty | None = None

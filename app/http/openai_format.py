@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from app.http.openai_schemas import Prompt
 from app.protocol import TextDelta
-
-Prompt = str | list[int]
 
 
 @dataclass(frozen=True)

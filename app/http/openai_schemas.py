@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import msgpack
 from pydantic import Field, field_validator
 
 from app.http.body import StrictBody, validate
@@ -22,6 +23,7 @@ from app.http.sampling import (
     Seed,
     Temperature,
     TokenId,
+    TopK,
     TopP,
     check_stop,
     check_token_ids,
@@ -80,7 +82,7 @@ class SamplingFields(StrictBody):
     max_tokens: MaxTokens | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
-    top_k: int | None = None
+    top_k: TopK | None = None
     min_p: MinP | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
@@ -269,6 +271,15 @@ class ChatBody(SamplingFields):
     logprobs: bool | None = None
     top_logprobs: NumLogprobs | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _fits_the_wire(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        try:
+            msgpack.packb(value)
+        except (OverflowError, TypeError) as exc:  # JSON integers beyond 64 bits
+            raise ValueError(f"cannot be passed to the chat template: {exc}") from None
+        return value
 
 
 def parse_chat(body: dict[str, Any], vocab_size: int | None) -> tuple[ChatBody, SamplingParams]:

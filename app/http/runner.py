@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from starlette.requests import Request
 
-from app.http.errors import APIError, ClientGone
+from app.http.errors import CLIENT_CLOSED, APIError, ClientGone
 from app.http.state import ServerState
 from app.http.streaming import (
     Outputs,
@@ -19,8 +19,6 @@ from app.http.streaming import (
     sse_events,
 )
 from app.protocol import GenerateRequest, TextDelta
-
-CLIENT_CLOSED = 499  # logged status of a request whose client went away
 
 
 def _status(exc: BaseException) -> int:

@@ -11,18 +11,20 @@ from app.http.errors import bad_request
 
 MAX_STOP_STRINGS = 16
 SEED_MIN, SEED_LIMIT = -(2**63), 2**64  # what torch.Generator.manual_seed takes
+INT32_MAX = 2**31 - 1  # counts beyond this are nonsense (and would not fit the wire format)
 
 Temperature = Annotated[float, Field(ge=0, le=2)]
 TopP = Annotated[float, Field(gt=0, le=1)]
 MinP = Annotated[float, Field(ge=0, le=1)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 RepetitionPenalty = Annotated[float, Field(gt=0, le=2)]
-MaxTokens = Annotated[int, Field(ge=1)]
-MinTokens = Annotated[int, Field(ge=0)]
+MaxTokens = Annotated[int, Field(ge=1, le=INT32_MAX)]
+MinTokens = Annotated[int, Field(ge=0, le=INT32_MAX)]
+TopK = Annotated[int, Field(ge=-1, le=INT32_MAX)]
 NumChoices = Annotated[int, Field(ge=1, le=128)]
 NumLogprobs = Annotated[int, Field(ge=0, le=20)]
 Seed = Annotated[int, Field(ge=SEED_MIN, lt=SEED_LIMIT)]
-TokenId = Annotated[int, Field(ge=0)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
 def check_top_k(value: int | None) -> int | None:

@@ -16,7 +16,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from app.http.engine_client import DuplicateRequestId, EngineUnavailable, Submission, delta_error, is_terminal
-from app.http.errors import APIError, ClientGone, bad_request, error_body
+from app.http.errors import CLIENT_CLOSED, APIError, ClientGone, bad_request, error_body
 from app.http.state import ServerState
 from app.protocol import GenerateRequest, TextDelta
 
@@ -232,13 +232,13 @@ async def sse_events(
 ) -> AsyncGenerator[bytes, None]:
     """The SSE body: chunks, an error chunk if the engine fails mid-stream, then [DONE]."""
     outputs = Outputs(group.size)
-    status = 200
+    status = CLIENT_CLOSED  # until the stream runs to its end
+    err: APIError | None = None
     try:
         for payload in formatter.opening():
             yield sse_event(payload)
         async for index, delta in group.replay(prefix):
             if (err := error_of(delta)) is not None:
-                status = err.status
                 yield sse_event(err.body())
                 break
             outputs.add(index, delta)
@@ -247,6 +247,7 @@ async def sse_events(
         else:
             for payload in formatter.closing():
                 yield sse_event(payload)
+        status = err.status if err is not None else 200
         yield DONE
     except Exception:
         log.exception("stream failed")

@@ -15,7 +15,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import psutil
 import torch
 
 from app.protocol import NewSeq, SamplingParams, SeqChunk, StepPlan, StepResult, WorkerReady
@@ -177,6 +176,8 @@ class ModelRunner:
             if max_total is not None and max_total < tokens:
                 tokens, why = max_total, f"--max-total-tokens {max_total}"
         elif self.device.type == "cpu":
+            import psutil  # CPU sizing only; the GPU image need not carry it
+
             tokens, why = cpu_pool_tokens(
                 bytes_per_token,
                 self.max_num_seqs,

@@ -45,7 +45,15 @@ def run_worker(settings, endpoints: Endpoints, rank: int = 0) -> None:
     results = ipc.connect_push(ctx, endpoints.inbox("scheduler_results"))
     supervisor = ipc.connect_push(ctx, endpoints.inbox("supervisor"))
     ipc.send(results, ready)
-    ipc.send(supervisor, p.ProcessReady(f"worker{rank}", os.getpid(), {**ready.info, "num_blocks": ready.num_blocks}))
+    engine_info = {
+        **ready.info,
+        "num_blocks": ready.num_blocks,
+        "block_size": ready.block_size,
+        "max_model_len": ready.max_model_len,
+        "vocab_size": ready.vocab_size,
+        "eos_token_ids": ready.eos_token_ids,
+    }
+    ipc.send(supervisor, p.ProcessReady(f"worker{rank}", os.getpid(), engine_info))
     lifecycle.on_sigterm(lambda: os._exit(0))  # nothing to flush: device state dies with us
     try:
         with torch.inference_mode():

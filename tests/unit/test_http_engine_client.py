@@ -8,6 +8,7 @@ import asyncio
 import multiprocessing
 import os
 import signal
+import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +21,7 @@ import zmq.asyncio
 
 from app import ipc, protocol
 from app.http.engine_client import EngineClient
-from app.http.process import run_http
+from app.http.server import run_http
 from app.ipc import Endpoints
 from app.protocol import (
     AbortRequest,
@@ -230,3 +231,23 @@ def test_process_stops_on_shutdown_message(child: tuple[Peers, multiprocessing.P
     ipc.send(peers.to_http, Shutdown("stop"))
     proc.join(10)
     assert proc.exitcode == 0
+
+
+def test_process_exits_non_zero_when_the_port_is_taken(tmp_path: Path) -> None:
+    peers = Peers(tmp_path)
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    proc = multiprocessing.get_context("spawn").Process(
+        target=run_http, args=(settings(port=taken.getsockname()[1]), peers.endpoints), daemon=True)
+    proc.start()
+    try:
+        proc.join(20)
+        assert proc.exitcode not in (None, 0)
+        assert not peers.supervisor.poll(0)  # never announced itself ready
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)
+        taken.close()
+        peers.close()

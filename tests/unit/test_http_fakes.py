@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import uvicorn
 
+from app import protocol
 from app.http.engine_client import BaseEngineClient
 from app.http.server import build_app
 from app.protocol import (
@@ -141,6 +142,7 @@ class FakeEngine(BaseEngineClient):
         self._dispatch(EngineReady(dict(info or INFO)))
 
     def _send(self, msg: Any) -> None:
+        msg = protocol.decode(protocol.encode(msg))  # what the tokenizer would receive over the wire
         self.loop = asyncio.get_running_loop()
         self.sent.append(msg)
         self.events.set()

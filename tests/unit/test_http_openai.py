@@ -301,6 +301,8 @@ def _many_stops() -> list[str]:
     ({"repetition_penalty": 2.5}, "repetition_penalty"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": 1.5}, "max_tokens"),
+    ({"max_tokens": 2**40}, "max_tokens"),
+    ({"top_k": 2**40}, "top_k"),
     ({"n": 0}, "n"),
     ({"n": 129}, "n"),
     ({"logprobs": 21}, "logprobs"),
@@ -369,6 +371,15 @@ async def test_chat_rejects_bad_input(patch: dict[str, Any], param: str) -> None
     async with asgi_client(engine) as c:
         r = await c.post("/v1/chat/completions", json=body)
     assert_error(r, 400, param)
+    assert not engine.generates
+
+
+async def test_values_too_big_for_the_wire_are_400() -> None:
+    engine = FakeEngine()
+    async with asgi_client(engine) as c:
+        r = await c.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                                       "chat_template_kwargs": {"x": 2**70}})
+    assert_error(r, 400, "chat_template_kwargs")
     assert not engine.generates
 
 

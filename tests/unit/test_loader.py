@@ -137,7 +137,11 @@ def test_unsupported_load_format() -> None:
 
 
 def test_hf_overrides_apply_as_if_in_config_json(qwen2_dir: Path) -> None:
-    overrides = {"max_position_embeddings": 128, "rope_parameters": {"rope_theta": 5000.0}, "eos_token_id": [2, 7]}
+    overrides = {
+        "max_position_embeddings": 128,
+        "rope_parameters": {"rope_theta": 5000.0},
+        "eos_token_id": [2, 7],
+    }
     config = load_hf_config(qwen2_dir, overrides)
     assert config.max_position_embeddings == 128
     assert config.rope_parameters == {"rope_type": "default", "rope_theta": 5000.0}  # merged, not replaced

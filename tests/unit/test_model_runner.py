@@ -13,7 +13,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from app.config import Settings
 from app.protocol import NewSeq, SamplingParams, SeqChunk, StepPlan, StepResult
 from app.worker.kv_cache import KVPoolError
 from app.worker.model_runner import ModelRunner, PlanError
@@ -23,7 +22,9 @@ GREEDY = SamplingParams(temperature=0.0)
 CPU = torch.device("cpu")
 
 
-def make_settings(model_dir: Path, **overrides: Any) -> Settings:
+def make_settings(model_dir: Path, **overrides: Any) -> Any:
+    from app.config import Settings  # here, so the GPU tests can reuse this module without pydantic
+
     fields: dict[str, Any] = {
         "model": str(model_dir),
         "dtype": "float32",
@@ -37,17 +38,19 @@ def make_settings(model_dir: Path, **overrides: Any) -> Settings:
 
 
 @functools.lru_cache(maxsize=2)
-def hf_model(model_dir: Path) -> Any:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None  # generate past EOS, as the runner does (stopping is not its job)
+def hf_model(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Any:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    model.generation_config.eos_token_id = (
+        None  # generate past EOS, as the runner does (stopping is not its job)
+    )
     return model
 
 
-def hf_greedy(model_dir: Path, prompt: list[int], new_tokens: int) -> list[int]:
-    model = hf_model(model_dir)
+def hf_greedy(model_dir: Path, prompt: list[int], new_tokens: int, device: str = "cpu") -> list[int]:
+    model = hf_model(model_dir, device)
     config = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, pad_token_id=0)
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), generation_config=config)
+        out = model.generate(torch.tensor([prompt], device=device), generation_config=config)
     generated = out[0, len(prompt) :].tolist()
     assert len(generated) == new_tokens
     return generated
@@ -165,7 +168,9 @@ class ScriptedScheduler:
             req = by_slot[slot]
             req.output.append(token)
             done = len(req.output) >= req.max_new
-            if done or (req.preempt_after is not None and not req.preempted and len(req.output) == req.preempt_after):
+            if done or (
+                req.preempt_after is not None and not req.preempted and len(req.output) == req.preempt_after
+            ):
                 self.to_free.append(slot)  # released after the next plan's step
                 req.registered = done  # a preempted request waits to be re-admitted
                 req.preempted = req.preempted or not done
@@ -241,7 +246,9 @@ def test_preempted_sequence_resumes_with_the_same_tokens(runner: ModelRunner, ll
 
 
 def _new(slot: int, blocks: list[int], cached: int = 0, rid: str = "x") -> NewSeq:
-    return NewSeq(slot=slot, rid=rid, sampling=GREEDY, num_prompt_tokens=4, block_ids=blocks, num_cached_tokens=cached)
+    return NewSeq(
+        slot=slot, rid=rid, sampling=GREEDY, num_prompt_tokens=4, block_ids=blocks, num_cached_tokens=cached
+    )
 
 
 def test_bad_plans_are_refused_without_changing_state(runner: ModelRunner) -> None:
@@ -250,13 +257,17 @@ def test_bad_plans_are_refused_without_changing_state(runner: ModelRunner) -> No
         "outside the vocabulary": StepPlan(
             step=0, new_seqs=[_new(0, [0])], chunks=[SeqChunk(slot=0, token_ids=[1, runner.vocab_size])]
         ),
-        "exceeds its 1 blocks": StepPlan(step=0, new_seqs=[_new(0, [0])], chunks=[SeqChunk(slot=0, token_ids=[1] * 5)]),
+        "exceeds its 1 blocks": StepPlan(
+            step=0, new_seqs=[_new(0, [0])], chunks=[SeqChunk(slot=0, token_ids=[1] * 5)]
+        ),
         "no sampled token": StepPlan(step=0, new_seqs=[_new(0, [0])], chunks=[SeqChunk(slot=0)]),
         "outside \\[0, 6\\)": StepPlan(step=0, new_seqs=[_new(6, [0])]),
         "block ids \\[99999\\]": StepPlan(step=0, new_seqs=[_new(0, [99999])]),
         "not covered": StepPlan(step=0, new_seqs=[_new(0, [0], cached=5)]),
         "two chunks": StepPlan(
-            step=0, new_seqs=[_new(0, [0, 1])], chunks=[SeqChunk(slot=0, token_ids=[1]), SeqChunk(slot=0, token_ids=[2])]
+            step=0,
+            new_seqs=[_new(0, [0, 1])],
+            chunks=[SeqChunk(slot=0, token_ids=[1]), SeqChunk(slot=0, token_ids=[2])],
         ),
         "129 blocks exceed max_model_len 512": StepPlan(step=0, new_seqs=[_new(0, list(range(129)))]),
     }
@@ -311,7 +322,9 @@ def test_ready_message(runner: ModelRunner) -> None:
 
 
 def test_cpu_pool_defaults_and_limits(llama_dir: Path) -> None:
-    default = ModelRunner(make_settings(llama_dir, max_total_tokens=None, max_model_len=64, max_num_seqs=3), CPU)
+    default = ModelRunner(
+        make_settings(llama_dir, max_total_tokens=None, max_model_len=64, max_num_seqs=3), CPU
+    )
     assert default.pool.tokens == 3 * 64
     with pytest.raises(KVPoolError, match="max_model_len=512"):
         ModelRunner(make_settings(llama_dir, max_total_tokens=100), CPU)
@@ -328,11 +341,14 @@ SMOLLM_DIR = os.environ.get("TOKENSPEED_DEFAULT_MODEL_DIR")
 
 
 @pytest.mark.skipif(
-    not SMOLLM_DIR or not Path(SMOLLM_DIR).is_dir(), reason="TOKENSPEED_DEFAULT_MODEL_DIR is not a prepared model"
+    not SMOLLM_DIR or not Path(SMOLLM_DIR).is_dir(),
+    reason="TOKENSPEED_DEFAULT_MODEL_DIR is not a prepared model",
 )
 def test_default_model_greedy_parity() -> None:
     model_dir = Path(SMOLLM_DIR or "")
-    runner = ModelRunner(make_settings(model_dir, block_size=16, chunked_prefill_size=64, max_model_len=256), CPU)
+    runner = ModelRunner(
+        make_settings(model_dir, block_size=16, chunked_prefill_size=64, max_model_len=256), CPU
+    )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     prompts = [

@@ -131,7 +131,9 @@ def test_rope_spellings_parse_alike() -> None:
     assert (spec.theta, spec.rope_type, spec.params) == (250000.0, "linear", {"factor": 2.0})
     bare = rope_spec_from_config(SimpleNamespace(rope_theta=1e6, max_position_embeddings=64), 8)
     assert (bare.theta, bare.rope_type) == (1e6, "default")
-    modern = SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 3.0}, max_position_embeddings=8)
+    modern = SimpleNamespace(
+        rope_parameters={"rope_type": "default", "rope_theta": 3.0}, max_position_embeddings=8
+    )
     assert rope_spec_from_config(modern, 8).theta == 3.0
 
 
@@ -142,11 +144,15 @@ def test_unsupported_rope_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="longrope.*supported: default, linear, llama3, yarn"):
         rope_spec_from_config(config, 8)
     with pytest.raises(ValueError, match="partial"):
-        rope_spec_from_config(SimpleNamespace(rope_theta=1.0, partial_rotary_factor=0.5, max_position_embeddings=8), 8)
+        rope_spec_from_config(
+            SimpleNamespace(rope_theta=1.0, partial_rotary_factor=0.5, max_position_embeddings=8), 8
+        )
 
 
 def test_rotary_table_applies_attention_scaling() -> None:
-    spec = RopeSpec(head_dim=8, theta=10000.0, rope_type="yarn", params={"factor": 4.0}, max_position_embeddings=64)
+    spec = RopeSpec(
+        head_dim=8, theta=10000.0, rope_type="yarn", params={"factor": 4.0}, max_position_embeddings=64
+    )
     rope = RotaryEmbedding(spec, 16)
     _, scale = inverse_frequencies(spec)
     assert scale > 1.0

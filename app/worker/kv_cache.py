@@ -52,6 +52,10 @@ class KVCache:
         return self.num_tokens * self.spec.bytes_per_token
 
 
+def format_bytes(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB // 10 else f"{n / (1 << 20):.1f} MiB"
+
+
 class KVPoolError(RuntimeError):
     """The KV pool cannot be sized as asked (not enough memory, or not one max-length request)."""
 
@@ -83,8 +87,8 @@ def finish_pool(
         have = max(tokens, 0) * bytes_per_token
         raise KVPoolError(
             f"the KV pool ({budget}) holds {num_blocks * block_size} tokens, fewer than one request of "
-            f"max_model_len={max_model_len}: that needs {need / GIB:.3f} GiB of KV cache and "
-            f"{have / GIB:.3f} GiB is available; lower --max-model-len or give the KV cache more memory"
+            f"max_model_len={max_model_len}: that needs {format_bytes(need)} of KV cache and "
+            f"{format_bytes(have)} is available; lower --max-model-len or give the KV cache more memory"
         )
     return PoolPlan(num_blocks, block_size, max_model_len)
 
@@ -102,15 +106,15 @@ def cpu_pool_tokens(
         need = max_total_tokens * bytes_per_token
         if need > available_bytes:
             raise KVPoolError(
-                f"--max-total-tokens {max_total_tokens} needs {need / GIB:.3f} GiB of KV cache but only "
-                f"{available_bytes / GIB:.3f} GiB of memory is available"
+                f"--max-total-tokens {max_total_tokens} needs {format_bytes(need)} of KV cache but only "
+                f"{format_bytes(available_bytes)} of memory is available"
             )
         return max_total_tokens, f"--max-total-tokens {max_total_tokens}"
     quarter = available_bytes // 4 // bytes_per_token
     wanted = max_num_seqs * max_model_len
     if wanted <= quarter:
         return wanted, f"max_num_seqs x max_model_len = {wanted} tokens"
-    return quarter, f"25% of available memory ({available_bytes / 4 / GIB:.3f} GiB)"
+    return quarter, f"25% of available memory ({format_bytes(available_bytes // 4)})"
 
 
 def cuda_pool_bytes(

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from app.protocol import NewSeq, SamplingParams, SeqChunk, StepPlan, StepResult
-from app.worker.kv_cache import KVPoolError
+from app.worker.kv_cache import GIB, KVPoolError, cpu_pool_tokens, cuda_pool_bytes, finish_pool
 from app.worker.model_runner import ModelRunner, PlanError
 from tests.support.model_factory import build_tiny_model
 
@@ -330,6 +330,18 @@ def test_cpu_pool_defaults_and_limits(llama_dir: Path) -> None:
         ModelRunner(make_settings(llama_dir, max_total_tokens=100), CPU)
     with pytest.raises(KVPoolError, match="available"):
         ModelRunner(make_settings(llama_dir, max_total_tokens=10**12), CPU)
+
+
+def test_pool_arithmetic() -> None:
+    bpt = 1024
+    assert cuda_pool_bytes(100 * GIB, 0.5, 10 * GIB, 2 * GIB, GIB, GIB) == 36 * GIB
+    assert cpu_pool_tokens(bpt, 4, 100, None, 400 * bpt * 4)[0] == 400  # max_num_seqs x max_model_len
+    assert cpu_pool_tokens(bpt, 4, 100, None, 1000 * bpt)[0] == 250  # a quarter of what is available
+    assert cpu_pool_tokens(bpt, 4, 100, 900, 1000 * bpt)[0] == 900  # explicit: up to all of it
+    plan = finish_pool(1000, 16, 100, bpt, "test")
+    assert (plan.num_blocks, plan.tokens, plan.max_concurrency) == (62, 992, 9.92)
+    with pytest.raises(KVPoolError, match=r"holds 96 tokens.*max_model_len=100.*needs 0.1 MiB"):
+        finish_pool(100, 16, 100, bpt, "test")
 
 
 def test_unknown_backends_are_refused(llama_dir: Path) -> None:

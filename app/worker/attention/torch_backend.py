@@ -31,7 +31,7 @@ class _PrefillPlan:
 class _DecodeGroup:
     rows: torch.Tensor  # [G] token rows (one new token per sequence)
     ctx_slots: torch.Tensor  # [G, Lmax] KV slots, padded
-    mask: torch.Tensor  # [G, 1, 1, Lmax] bool
+    mask: torch.Tensor  # [G, 1, 1, Lmax] bool (True = attend)
 
 
 @dataclass
@@ -149,9 +149,14 @@ class TorchAttentionBackend(AttentionBackend):
     def _attend_decodes(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: _DecodeGroup
     ) -> torch.Tensor:
-        keys = self._expand_kv(k_cache[g.ctx_slots], 2).transpose(1, 2).to(q.dtype)  # [G, Hq, L, D]
-        values = self._expand_kv(v_cache[g.ctx_slots], 2).transpose(1, 2).to(q.dtype)
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys, values, attn_mask=g.mask, scale=self.spec.scale
-        )  # [G, Hq, 1, D]
-        return out.squeeze(2)
+        """One query per sequence: two batched matmuls with a float32 softmax (as transformers' eager
+        attention does), KV heads broadcast over their query-head group instead of repeated."""
+        num_seqs, num_kv, dim = q.shape[0], self.spec.num_kv_heads, self.spec.head_dim
+        keys = k_cache[g.ctx_slots].to(q.dtype)  # [G, L, Hkv, D]
+        values = v_cache[g.ctx_slots].to(q.dtype)
+        grouped = q.view(num_seqs, num_kv, -1, dim)  # query head h reads KV head h // group
+        scores = torch.einsum("bhgd,blhd->bhgl", grouped, keys).float() * self.spec.scale
+        scores = scores.masked_fill(~g.mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        out = torch.einsum("bhgl,blhd->bhgd", probs, values)
+        return out.reshape(num_seqs, -1, dim)

@@ -279,6 +279,7 @@ check_drain() {
     "$PY" - "$PORT" "$SERVED_NAME" > "$WORK/inflight.out" 2>&1 << 'EOF' &
 import json
 import sys
+import time
 import urllib.request
 
 port, served = sys.argv[1], sys.argv[2]
@@ -288,20 +289,25 @@ req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", jso
                              {"Content-Type": "application/json"})
 with urllib.request.urlopen(req, timeout=120) as r:
     chat = json.loads(r.read())
-print(r.status, chat["choices"][0]["finish_reason"], chat["usage"]["completion_tokens"])
+print(r.status, chat["choices"][0]["finish_reason"], chat["usage"]["completion_tokens"], f"{time.time():.3f}")
 EOF
-    local client=$!
+    local client=$! status reason tokens finished sigterm
     sleep 1
     started=$SECONDS
+    sigterm=$(date +%s.%N)
     compose stop tokenspeed > /dev/null 2>&1 || fail "compose stop failed"
     wait "$client" || fail "the in-flight request failed during the drain: $(cat "$WORK/inflight.out")"
-    grep -q '^200 length 64$' "$WORK/inflight.out" || fail "in-flight request: $(cat "$WORK/inflight.out")"
+    read -r status reason tokens finished < "$WORK/inflight.out"
+    [ "$status $reason $tokens" = "200 length 64" ] || fail "in-flight request: $(cat "$WORK/inflight.out")"
+    "$PY" -c 'import sys; sys.exit(float(sys.argv[1]) <= float(sys.argv[2]))' "$finished" "$sigterm" \
+        || fail "the request finished before SIGTERM: nothing was in flight (make it longer)"
     [ "$(docker_ inspect --format '{{.State.ExitCode}}' "$cid")" = 0 ] \
         || fail "the appliance exited with $(docker_ inspect --format '{{.State.ExitCode}}' "$cid") after SIGTERM"
     docker_ logs "$cid" > "$WORK/appliance.log" 2>&1
     grep -q 'received SIGTERM' "$WORK/appliance.log" || fail "SIGTERM did not reach the supervisor"
+    grep -q 'draining' "$WORK/appliance.log" || fail "the supervisor did not drain"
     grep -q 'stopped (exit code 0)' "$WORK/appliance.log" || fail "the supervisor did not report a clean stop"
-    log "drain: the in-flight request finished ($(cat "$WORK/inflight.out")), exit code 0 after $((SECONDS - started)) s"
+    log "drain: a request in flight at SIGTERM finished ($status, $tokens tokens); exit code 0 after $((SECONDS - started)) s"
     compose down --volumes > /dev/null 2>&1 || fail "compose down failed"
     COMPOSE_UP=0
     [ -z "$(docker_ ps --all --quiet)" ] || fail "containers left after compose down"

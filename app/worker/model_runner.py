@@ -110,8 +110,14 @@ class ModelRunner:
         self.device = torch.device(device)
         self.rank = rank
         started = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         model_dir = resolve_model_path(
-            settings.model, settings.load_format, settings.revision, settings.download_dir
+            settings.model,
+            settings.load_format,
+            settings.revision,
+            settings.download_dir,
+            settings.trust_remote_code,
         )
         self.config = load_hf_config(model_dir, settings.hf_overrides, settings.trust_remote_code)
         self.dtype = resolve_dtype(settings.dtype, self.config, self.device)
@@ -230,28 +236,29 @@ class ModelRunner:
         return chunk if chunk is not None and chunk > 0 else self.settings.max_prefill_tokens
 
     def _profile_step(self) -> int:
-        """One forward + sample of the largest step on a throwaway KV cache: one long sequence takes
-        most tokens (the attention peak) and max_num_seqs sequences sample (the sampler peak).
+        """One forward + sample of the largest step on a throwaway KV cache. The step's tokens go to
+        as few long chunks as max_model_len allows plus single-token decodes, so that max_num_seqs
+        rows sample (the sampler peak), and every sequence sits at max_model_len context (the
+        attention peak). The sequences share one block table: what they read is irrelevant here.
         Returns the bytes of that temporary cache (not activation memory)."""
         total = max(self._profile_tokens(), 1)
-        num_short = min(self.max_num_seqs, total) - 1
-        lengths = _split(total - num_short, self.max_model_len) + [1] * num_short
-        lengths = lengths[: self.max_num_seqs] if len(lengths) > self.max_num_seqs else lengths
-        blocks = [math.ceil(n / self.block_size) for n in lengths]
-        cache = KVCache(self.model.kv_cache_spec(self.dtype), sum(blocks), self.block_size, self.device)
+        num_decodes = min(self.max_num_seqs, total) - 1
+        query_lens = (_split(total - num_decodes, self.max_model_len) + [1] * num_decodes)[
+            : self.max_num_seqs
+        ]
+        seq_lens = [self.max_model_len] * len(query_lens)
+        num_blocks = math.ceil(self.max_model_len / self.block_size)
+        cache = KVCache(self.model.kv_cache_spec(self.dtype), num_blocks, self.block_size, self.device)
         backend = make_attention_backend(self.settings.attention_backend, cache, self.model.attention_spec)
-        table = torch.zeros(len(lengths), max(blocks), dtype=torch.int32, device=self.device)
-        first = 0
-        for row, count in enumerate(blocks):
-            table[row, :count] = torch.arange(first, first + count, dtype=torch.int32, device=self.device)
-            first += count
-        slots = list(range(len(lengths)))
+        row = torch.arange(num_blocks, dtype=torch.int32, device=self.device)
+        table = row.repeat(len(query_lens), 1)
+        slots = list(range(len(query_lens)))
         params = self._profile_params()
         for slot in slots:
             self.sampler.add_seq(slot, f"profile-{slot}", params, [0], [])
         try:
             with torch.no_grad():
-                batch = build_attention_batch(table, lengths, lengths, self.block_size)
+                batch = build_attention_batch(table, query_lens, seq_lens, self.block_size)
                 input_ids = torch.zeros(batch.num_tokens, dtype=torch.int64, device=self.device)
                 hidden = self.model(input_ids, batch.positions, backend.plan(batch))
                 last_rows = torch.tensor(batch.query_start_loc[1:], device=self.device) - 1
@@ -393,6 +400,8 @@ class ModelRunner:
             seq_lens_tensor=s.seq_lens.index_select(0, slot_index),
         )
         hidden = self.model(input_ids, batch.positions, self.attention.plan(batch))
+        for chunk in plan.chunks:  # fed tokens supersede a sampled one; sampling below sets it again
+            s.has_token[chunk.slot] = False
         if not step.sample_rows:
             return StepResult(step=plan.step)
         rows = hidden.index_select(0, torch.tensor(step.sample_rows, device=dev))

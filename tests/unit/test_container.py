@@ -470,3 +470,17 @@ def test_env_example_names_only_known_variables() -> None:
             assert name in compose_vars, f"{name} is not used by the compose files"
     assert not any(re.match(r"^[A-Z]", line) and not line.startswith("#")
                    for line in text.splitlines()), "every line of .env.example stays commented out"
+
+
+# ---------------------------------------------------------------- scripts/container_test.sh
+
+
+def test_container_test_script_parses() -> None:
+    script = ROOT / "scripts" / "container_test.sh"
+    assert os.access(script, os.X_OK)
+    result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    text = script.read_text()
+    # No bridge, no NAT: containers share the host's loopback and nothing else.
+    assert "--bridge=none --iptables=false --ip-forward=false" in text
+    assert "-f \"$WORK/context/compose.yaml\" -f \"$WORK/context/compose.cpu.yaml\"" in text

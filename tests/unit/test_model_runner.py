@@ -332,6 +332,16 @@ def test_cpu_pool_defaults_and_limits(llama_dir: Path) -> None:
         ModelRunner(make_settings(llama_dir, max_total_tokens=10**12), CPU)
 
 
+def test_profile_step_runs_anywhere_and_leaves_the_sampler_empty(runner: ModelRunner) -> None:
+    # The CUDA sizing path's profile step is device-agnostic: run it here on the CPU.
+    assert (
+        runner._profile_step()
+        == math.ceil(512 / 4) * 4 * runner.model.kv_cache_spec(torch.float32).bytes_per_token
+    )
+    result = runner.execute(StepPlan(step=0, new_seqs=[_new(0, [0, 1])], chunks=[SeqChunk(0, [1, 2, 3])]))
+    assert result.slots == [0]
+
+
 def test_pool_arithmetic() -> None:
     bpt = 1024
     assert cuda_pool_bytes(100 * GIB, 0.5, 10 * GIB, 2 * GIB, GIB, GIB) == 36 * GIB

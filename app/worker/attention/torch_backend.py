@@ -1,9 +1,10 @@
-"""The portable reference backend: paged KV in plain torch, attention through SDPA. Runs on CPU and CUDA.
+"""The portable reference backend: paged KV in plain torch ops. Runs on CPU and CUDA.
 
 Planning (once per step) turns block tables into the KV slots each sequence reads, plus masks.
-Sequences with several new tokens (prefill chunks) are attended one by one; single-token ones
-(decodes) are gathered into padded groups and attended together, each group bounded in padded
-context tokens so a long tail cannot blow up the gather.
+Sequences with several new tokens (prefill chunks) are attended one by one through SDPA (causal,
+or masked when a cached prefix precedes the chunk); single-token ones (decodes) are gathered into
+padded groups and attended together by two batched matmuls, each group bounded in padded context
+tokens so a long tail cannot blow up the gather.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from app.worker.attention.base import AttentionBackend, AttentionBatch, AttentionMetadata, AttentionSpec
 from app.worker.kv_cache import KVCache
@@ -24,14 +26,14 @@ class _PrefillPlan:
     start: int  # first new token row
     end: int
     ctx_slots: torch.Tensor  # [L] KV slots of the whole context
-    mask: torch.Tensor | None  # [n, L] bool (True = attend); None: plain causal (no cached prefix)
+    mask: CausalBias | None  # causal aligned to the last query (a cached prefix precedes); None: plain causal
 
 
 @dataclass
 class _DecodeGroup:
     rows: torch.Tensor  # [G] token rows (one new token per sequence)
     ctx_slots: torch.Tensor  # [G, Lmax] KV slots, padded
-    mask: torch.Tensor  # [G, 1, 1, Lmax] bool (True = attend)
+    padding: torch.Tensor  # [G, 1, 1, Lmax] bool: True past a sequence's length
 
 
 @dataclass
@@ -75,11 +77,9 @@ class TorchAttentionBackend(AttentionBackend):
         rows = torch.tensor([b], device=device)
         slots = self._context_slots(batch, rows, seq_len)[0]
         n = end - start
-        mask = None
-        if n != seq_len:
-            # New token i sits at position seq_len - n + i and sees every position up to it.
-            q_pos = torch.arange(seq_len - n, seq_len, device=device).unsqueeze(1)
-            mask = torch.arange(seq_len, device=device).unsqueeze(0) <= q_pos
+        # New token i sits at position seq_len - n + i and sees every position up to it: the lower-right
+        # causal mask, which SDPA's fused kernels apply without materialising [n, L].
+        mask = None if n == seq_len else causal_lower_right(n, seq_len)
         return _PrefillPlan(start, end, slots, mask)
 
     def _group_decodes(self, decodes: list[int], seq_lens: list[int]) -> list[list[int]]:
@@ -105,9 +105,9 @@ class TorchAttentionBackend(AttentionBackend):
         lens = batch.seq_lens_tensor.index_select(0, idx)
         longest = max(batch.seq_lens[b] for b in group)
         slots = self._context_slots(batch, idx, longest)
-        mask = torch.arange(longest, device=device).unsqueeze(0) < lens.unsqueeze(1)
+        padding = torch.arange(longest, device=device).unsqueeze(0) >= lens.unsqueeze(1)
         rows = torch.tensor([batch.query_start_loc[b] for b in group], device=device)
-        return _DecodeGroup(rows, slots, mask[:, None, None, :])
+        return _DecodeGroup(rows, slots, padding[:, None, None, :])
 
     def forward(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
@@ -156,7 +156,7 @@ class TorchAttentionBackend(AttentionBackend):
         values = v_cache[g.ctx_slots].to(q.dtype)
         grouped = q.view(num_seqs, num_kv, -1, dim)  # query head h reads KV head h // group
         scores = torch.einsum("bhgd,blhd->bhgl", grouped, keys).float() * self.spec.scale
-        scores = scores.masked_fill(~g.mask, float("-inf"))
+        scores = scores.masked_fill(g.padding, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         out = torch.einsum("bhgl,blhd->bhgd", probs, values)
         return out.reshape(num_seqs, -1, dim)

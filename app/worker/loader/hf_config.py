@@ -40,7 +40,7 @@ def load_hf_config(
         raise TypeError(f"--hf-overrides must be a JSON object, got {type(hf_overrides).__name__}")
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     if hf_overrides:
-        raw, _ = PretrainedConfig.get_config_dict(str(model_dir))
+        raw, _ = type(config).get_config_dict(str(model_dir))
         config = type(config).from_dict(_deep_merge(raw, hf_overrides))
     quant = getattr(config, "quantization_config", None)
     if quant:

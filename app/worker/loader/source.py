@@ -10,10 +10,15 @@ _HUB_PT_FILES = ["*.bin", "*.pt"]
 
 
 def resolve_model_path(
-    model: str, load_format: str = "auto", revision: str | None = None, download_dir: str | None = None
+    model: str,
+    load_format: str = "auto",
+    revision: str | None = None,
+    download_dir: str | None = None,
+    trust_remote_code: bool = False,
 ) -> Path:
     """A local directory as is; anything else is a Hub repo id, downloaded into download_dir (or the
-    Hugging Face cache) at `revision`. Only the files the appliance reads are fetched."""
+    Hugging Face cache) at `revision`. Only the files the appliance reads are fetched (plus the
+    repo's Python config code when remote code is trusted)."""
     local = Path(model).expanduser()
     if local.is_dir():
         if revision is not None:
@@ -23,7 +28,9 @@ def resolve_model_path(
         raise ValueError(f"model path {model} is a file; give the model's directory")
     from huggingface_hub import snapshot_download  # only needed off the local path
 
-    patterns = _HUB_FILES + (_HUB_PT_FILES if load_format == "pt" else [])
+    patterns = (
+        _HUB_FILES + (_HUB_PT_FILES if load_format == "pt" else []) + (["*.py"] if trust_remote_code else [])
+    )
     if load_format == "dummy":
         patterns = [p for p in patterns if p != "*.safetensors"]
     return Path(

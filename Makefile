@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL_DIR ?= $(HOME)/.cache/tokenspeed/models/smollm2-135m-instruct
 
-.PHONY: install model run test lint bench clean
+.PHONY: install model run test lint bench clean container-test
 
 install: $(STAMP)
 
@@ -25,10 +25,14 @@ test: model
 	TOKENSPEED_DEFAULT_MODEL_DIR=$(MODEL_DIR) $(PY) -m pytest -q tests
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check app kernels scripts tests
+	$(VENV)/bin/ruff check app kernels scripts tests docker
 
 bench: $(STAMP)
 	$(PY) scripts/bench_serving.py --help
+
+# A real container test (dockerd + debootstrap base, CPU): minutes, so not part of `make test`.
+container-test: model
+	scripts/container_test.sh
 
 clean:
 	rm -rf $(VENV)

@@ -91,10 +91,10 @@ class Supervisor:
         worker = self.ready_info.get("worker0", {})
         # The model's figures win (its vocab is often padded past the tokenizer's).
         info = {**self.ready_info.get("tokenizer", {}), **worker, "startup_seconds": time.time() - started}
-        for name in ("tokenizer", "http"):
-            push = ipc.connect_push(self.ctx, self.endpoints.inbox(name))
-            ipc.send(push, p.EngineReady(info))
-            push.close(linger=1000)
+        # The tokenizer forwards it to http once it has taken it in (see app/tokenizer/core.py).
+        push = ipc.connect_push(self.ctx, self.endpoints.inbox("tokenizer"))
+        ipc.send(push, p.EngineReady(info))
+        push.close(linger=1000)
         s = self.settings
         log.info("ready on http://%s:%d in %.1f s (serving %s)", s.host, s.port, info["startup_seconds"], s.served_model_name)
 

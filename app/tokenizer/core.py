@@ -89,7 +89,9 @@ class TokenizerCore:
         self._engine = info
         logger.info("tokenizer: engine ready (max_model_len=%d, vocab_size=%d)",
                     info["max_model_len"], info["vocab_size"])
-        return []
+        # http learns readiness from us, behind this message on the same socket: it can never
+        # admit a request we would refuse as not ready.
+        return [Outgoing(HTTP, msg)]
 
     # ------------------------------------------------------------ requests in
 

@@ -21,7 +21,7 @@ from app.protocol import (
     TokenLogprobs,
     WorkerReady,
 )
-from app.tokenizer.core import HTTP, SCHEDULER, TokenizerCore
+from app.tokenizer.core import Outgoing, HTTP, SCHEDULER, TokenizerCore
 from tests.support.tokenizer_factory import build_tokenizer
 
 MAX_MODEL_LEN = 64
@@ -38,7 +38,8 @@ def make_core(tok, *, stream_interval: int = 1, ready: bool = True) -> Tokenizer
     core = TokenizerCore(tok, stream_interval=stream_interval)
     if ready:
         info = {"max_model_len": MAX_MODEL_LEN, "vocab_size": 512, "eos_token_ids": [2]}
-        assert core.handle(EngineReady(info)) == []
+        ready_msg = EngineReady(info)
+        assert core.handle(ready_msg) == [Outgoing("http", ready_msg)]  # http learns readiness from us
     return core
 
 

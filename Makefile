@@ -28,7 +28,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check app kernels scripts tests docker
 
 bench: $(STAMP)
-	$(PY) scripts/bench_serving.py --help
+	$(PY) scripts/bench_step_overhead.py
 
 # A real container test (dockerd + debootstrap base, CPU): minutes, so not part of `make test`.
 container-test: model

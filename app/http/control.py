@@ -14,6 +14,7 @@ from app.http.engine_client import EngineUnavailable
 from app.http.errors import APIError, bad_request
 from app.http.state import server_state
 from app.http.streaming import JSON
+from app.protocol import ControlReply
 
 CONTROL_TIMEOUT_S = 30.0
 
@@ -47,19 +48,36 @@ async def abort_request(request: Request) -> Response:
     return JSON({"success": True})
 
 
-async def flush_cache(request: Request) -> Response:
+async def _engine_control(request: Request, kind: str) -> ControlReply:
     state = server_state(request)
     if not state.client.ready:
         raise APIError(503, "the engine is not ready yet")
     try:
-        reply = await state.client.control("flush_cache", {}, timeout=CONTROL_TIMEOUT_S)
+        reply = await state.client.control(kind, {}, timeout=CONTROL_TIMEOUT_S)
     except TimeoutError:
-        raise APIError(504, f"the engine did not answer flush_cache within {CONTROL_TIMEOUT_S:g} s") from None
+        raise APIError(504, f"the engine did not answer {kind} within {CONTROL_TIMEOUT_S:g} s") from None
     except EngineUnavailable as exc:
         raise APIError(503, str(exc)) from None
     if not reply.success:
-        raise APIError(400, reply.message or "the cache was not flushed", code="flush_failed")
+        raise APIError(400, reply.message or f"{kind} failed", code=f"{kind}_failed")
+    return reply
+
+
+async def flush_cache(request: Request) -> Response:
+    reply = await _engine_control(request, "flush_cache")
     return JSON({"success": True, "message": reply.message})
+
+
+async def get_loads(request: Request) -> Response:
+    """TokenSpeed's /v1/loads shape, plus the scheduler's KV figures."""
+    loads = (await _engine_control(request, "get_loads")).data
+    return JSON({"loads": [{
+        "dp_rank": 0,
+        "num_reqs": loads["num_running"],
+        "num_waiting_reqs": loads["num_waiting"],
+        "num_pages": loads["num_used_blocks"],
+        **loads,
+    }]})
 
 
 async def get_model_info(request: Request) -> Response:
@@ -105,6 +123,8 @@ async def model_info(request: Request) -> Response:
 ROUTES = [
     Route("/abort_request", abort_request, methods=["POST"]),
     Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
+    Route("/v1/loads", get_loads, methods=["GET"]),
+    Route("/get_loads", get_loads, methods=["GET"]),
     Route("/get_model_info", get_model_info, methods=["GET"]),
     Route("/get_server_info", get_server_info, methods=["GET"]),
     Route("/get_weight_version", get_weight_version, methods=["GET"]),

@@ -62,7 +62,9 @@ class CompletionLogprobs:
         for i, (lp, text) in enumerate(zip(delta.logprobs, tokens, strict=True)):
             offsets.append(self.offset)
             self.offset += len(text)
-            top = dict(zip(_top_texts(delta, i), lp.top_logprobs, strict=False))
+            top: dict[str, float] = {}
+            for alt_text, value in zip(_top_texts(delta, i), lp.top_logprobs, strict=False):
+                top.setdefault(alt_text, value)  # alternatives come most likely first: keep that one
             top.setdefault(text, lp.logprob)  # the sampled token is always listed
             tops.append(top)
         return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in delta.logprobs],

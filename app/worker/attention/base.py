@@ -97,6 +97,8 @@ class AttentionMetadata:
 
 class AttentionBackend(ABC):
     name: ClassVar[str]
+    # Whether decode steps can be captured in CUDA graphs (capture_metadata / prepare_replay below).
+    supports_cuda_graphs: ClassVar[bool] = False
 
     def __init__(self, kv_cache: KVCache, spec: AttentionSpec) -> None:
         if spec.num_heads % spec.num_kv_heads:
@@ -117,3 +119,15 @@ class AttentionBackend(ABC):
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """q [T, Hq, D], k and v [T, Hkv, D] for the step's new tokens -> output [T, Hq, D]."""
+
+    def capture_metadata(self, batch: AttentionBatch) -> AttentionMetadata:
+        """Metadata for a CUDA-graphed decode batch (one new token per sequence) whose device tensors
+        are persistent buffers of fixed shape, updated in place between replays. Called once before
+        capture; the captured kernels keep reading the same tensors."""
+        raise NotImplementedError(f"the {self.name} attention backend cannot be captured in CUDA graphs")
+
+    def prepare_replay(self, meta: AttentionMetadata, batch: AttentionBatch) -> None:
+        """Refresh host-planned state before a replay; batch holds the step's host lists and the same
+        persistent device tensors as at capture. Nothing to do where the kernels read only those."""
+        if not self.supports_cuda_graphs:
+            raise NotImplementedError(f"the {self.name} attention backend cannot be captured in CUDA graphs")

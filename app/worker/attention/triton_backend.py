@@ -1,0 +1,105 @@
+"""The Triton backend: paged-KV kernels from tokenspeed_kernels, on CUDA (or on the CPU under
+TRITON_INTERPRET=1, which is how the tests run it without a GPU).
+
+A step whose sequences all feed one token runs the split-K decode kernel; any other step runs the
+prefill/extend kernel over every sequence (a decode row is an extend of length one). The new K/V
+rows go into the cache first, through the fused write kernel, so both kernels read the whole
+context from the cache. Decode metadata holds only device tensors of the batch and a split count
+fixed per batch size, so decode steps are CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from app.worker.attention.base import AttentionBackend, AttentionBatch, AttentionMetadata, AttentionSpec
+from app.worker.kv_cache import KVCache
+
+# SM count assumed off-GPU (the interpreter): it only shapes the split count.
+_INTERPRETER_SMS = 4
+
+
+def triton_usable(device: torch.device) -> bool:
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass
+class TritonAttentionMetadata(AttentionMetadata):
+    decode: bool = True
+    num_splits: int = 1  # decode: context pieces per sequence
+    cu_seqlens_q: torch.Tensor | None = None  # prefill: [B+1] int32 on the device
+    max_query_len: int = 1
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+    supports_cuda_graphs = True
+
+    def __init__(self, kv_cache: KVCache, spec: AttentionSpec) -> None:
+        super().__init__(kv_cache, spec)
+        device = kv_cache.k[0].device
+        if not triton_usable(device):
+            raise ValueError("the triton attention backend needs a CUDA device (or TRITON_INTERPRET=1)")
+        # Imported here: the interpreter switch is read when the kernels are defined.
+        from tokenspeed_kernels import decode_attention, kv_write, prefill_attention
+
+        self._decode = decode_attention
+        self._prefill = prefill_attention
+        self._write = kv_write.write_kv
+        self.num_sms = (
+            torch.cuda.get_device_properties(device).multi_processor_count
+            if device.type == "cuda"
+            else _INTERPRETER_SMS
+        )
+
+    def _splits(self, batch_size: int, max_seq_len: int) -> int:
+        return self._decode.choose_num_splits(batch_size, self.spec.num_kv_heads, max_seq_len, self.num_sms)
+
+    def plan(self, batch: AttentionBatch) -> TritonAttentionMetadata:
+        starts = batch.query_start_loc
+        query_lens = [hi - lo for lo, hi in zip(starts, starts[1:], strict=False)]
+        max_query_len = max(query_lens, default=1)
+        if max_query_len == 1:
+            return TritonAttentionMetadata(
+                backend=self, batch=batch, num_splits=self._splits(batch.num_seqs, max(batch.seq_lens, default=1))
+            )
+        device = batch.block_tables.device
+        cu = torch.tensor(starts, dtype=torch.int32, device=device)
+        return TritonAttentionMetadata(
+            backend=self, batch=batch, decode=False, cu_seqlens_q=cu, max_query_len=max_query_len
+        )
+
+    def capture_metadata(self, batch: AttentionBatch) -> TritonAttentionMetadata:
+        # Split for the longest context the block tables can describe; shorter sequences leave
+        # trailing pieces empty, which cost one early-exiting program each.
+        longest = batch.block_tables.shape[1] * batch.block_size
+        return TritonAttentionMetadata(backend=self, batch=batch, num_splits=self._splits(batch.num_seqs, longest))
+
+    def prepare_replay(self, meta: AttentionMetadata, batch: AttentionBatch) -> None:
+        """The kernels read the persistent buffers directly: nothing to refresh."""
+
+    def forward(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        assert isinstance(meta, TritonAttentionMetadata)
+        batch = meta.batch
+        k_cache, v_cache = self.kv_cache.k[layer_idx], self.kv_cache.v[layer_idx]
+        self._write(k, v, k_cache, v_cache, batch.slot_mapping)
+        if meta.decode:
+            return self._decode.paged_decode_attention(
+                q, k_cache, v_cache, batch.block_tables, batch.seq_lens_tensor, self.spec.scale, meta.num_splits
+            )
+        assert meta.cu_seqlens_q is not None
+        return self._prefill.paged_prefill_attention(
+            q,
+            k_cache,
+            v_cache,
+            batch.block_tables,
+            meta.cu_seqlens_q,
+            batch.seq_lens_tensor,
+            meta.max_query_len,
+            self.spec.scale,
+        )

@@ -1,0 +1,192 @@
+"""Paged decode attention (one new query token per sequence), split-K over the context.
+
+Kernel 1, grid (batch, kv_heads, num_splits): a program takes one KV head with its whole group of
+query heads (GQA: the K/V rows are read once for the group) and one contiguous piece of the context;
+it writes a normalised partial output and its log-sum-exp. Kernel 2, grid (batch, q_heads), merges
+the pieces. The split length is derived from each sequence's length on the device, so the grid
+depends only on (batch, num_splits): the launch is CUDA-graph safe. Empty pieces (short sequences)
+write lse = -inf and weigh nothing in the merge.
+
+Layouts: q [B, Hq, D] (head and dim strides may be views); caches [num_blocks, page, Hkv, D]
+contiguous; block_tables [B, W] int32; seq_lens [B] int32, each >= 1 (the context includes the new
+token, whose K/V must already be in the cache).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenspeed_kernels.common import check_last_dim_contiguous, dot_precision, next_power_of_2
+
+BLOCK_N = 64
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    scale,
+    stride_qb,
+    stride_qh,
+    stride_bt,
+    num_splits,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = kvh * GROUP + offs_g
+    q_mask = g_mask[:, None] & d_mask[None, :]
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+    row: tl.constexpr = NUM_KV_HEADS * HEAD_DIM
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        page = tl.load(block_tables_ptr + b * stride_bt + pos // PAGE, mask=valid, other=0)
+        slot = page.to(tl.int64) * PAGE + pos % PAGE
+        kv_off = slot[:, None] * row + kvh * HEAD_DIM + offs_d[None, :]
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        qk = tl.where(valid[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp(qk - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+
+    has = l_i > 0
+    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    part = (b * (NUM_KV_HEADS * GROUP) + heads).to(tl.int64) * num_splits + split
+    tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=q_mask)
+    tl.store(part_lse_ptr + part, lse, mask=g_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    num_splits,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < num_splits
+    base = (b * NUM_HEADS + h).to(tl.int64) * num_splits
+    lse = tl.load(part_lse_ptr + base + offs_s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.exp(lse - m)
+    w = w / tl.sum(w, 0)
+    mask = s_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
+    parts = tl.load(part_out_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0)
+    out = tl.sum(parts * w[:, None], 0)
+    tl.store(
+        out_ptr + b * stride_ob + h * stride_oh + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Enough pieces to give every SM about two programs, each piece at least BLOCK_N tokens."""
+    wanted = math.ceil(2 * num_sms / max(batch * num_kv_heads, 1))
+    return max(1, min(wanted, math.ceil(max_seq_len / BLOCK_N), 64))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q [B, Hq, D] attends its sequence's cached context -> out [B, Hq, D] (q's dtype)."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    check_last_dim_contiguous("q", q)
+    check_last_dim_contiguous("block_tables", block_tables)
+    if out is None:
+        out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    block_d = max(next_power_of_2(head_dim), 16)
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse,
+        scale, q.stride(0), q.stride(1), block_tables.stride(0), num_splits,
+        GROUP=group, GROUP_PAD=max(next_power_of_2(group), 16), NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=k_cache.shape[1], BLOCK_N=BLOCK_N,
+        PRECISION=dot_precision(q.dtype),
+    )  # fmt: skip
+    _decode_merge_kernel[(batch, num_heads)](
+        part_out, part_lse, out, out.stride(0), out.stride(1), num_splits,
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_PAD=next_power_of_2(num_splits),
+    )  # fmt: skip
+    return out
+
+
+def paged_decode_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Per sequence: gather the context through the block table, softmax(q k^T * scale) v in float32."""
+    page = k_cache.shape[1]
+    group = q.shape[1] // k_cache.shape[2]
+    out = torch.empty_like(q)
+    for b, length in enumerate(seq_lens.tolist()):
+        pos = torch.arange(length, device=q.device)
+        slots = block_tables[b, pos // page].long() * page + pos % page
+        keys = k_cache.flatten(0, 1)[slots].float().repeat_interleave(group, dim=1)  # [L, Hq, D]
+        values = v_cache.flatten(0, 1)[slots].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,lhd->hl", q[b].float(), keys) * scale
+        out[b] = torch.einsum("hl,lhd->hd", torch.softmax(scores, dim=-1), values).to(q.dtype)
+    return out

@@ -1,0 +1,94 @@
+"""Rotary position embedding (rotate-half / NeoX layout) applied in place to q and k.
+
+Same arithmetic as transformers' q * cos + rotate_half(q) * sin with the float32 cos/sin tables
+cast to the activation dtype first, each product and sum rounded to that dtype as torch does.
+One program per token rotates all its query and key heads; q and k may be strided views of the
+fused QKV output (heads and dims contiguous within a row).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenspeed_kernels.common import next_power_of_2
+
+
+@triton.jit
+def _rotate_rows(ptr, stride_t, t, cos, sin, n_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                 BLOCK_HALF: tl.constexpr):  # fmt: skip
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_c = tl.arange(0, BLOCK_HALF)
+    mask = (offs_h[:, None] < n_heads) & (offs_c[None, :] < HALF)
+    base = ptr + t * stride_t + offs_h[:, None] * (2 * HALF) + offs_c[None, :]
+    x1 = tl.load(base, mask=mask, other=0.0)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0)
+    c = cos[None, :].to(x1.dtype)
+    s = sin[None, :].to(x1.dtype)
+    o1 = (x1 * c).to(x1.dtype) - (x2 * s).to(x1.dtype)
+    o2 = (x2 * c).to(x1.dtype) + (x1 * s).to(x1.dtype)
+    tl.store(base, o1.to(x1.dtype), mask=mask)
+    tl.store(base + HALF, o2.to(x1.dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    q_ptr,
+    k_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    stride_q,
+    stride_k,
+    stride_table,
+    num_q_heads,
+    num_k_heads,
+    HALF: tl.constexpr,
+    BLOCK_QH: tl.constexpr,
+    BLOCK_KH: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    offs_c = tl.arange(0, BLOCK_HALF)
+    cos = tl.load(cos_ptr + pos * stride_table + offs_c, mask=offs_c < HALF, other=0.0)
+    sin = tl.load(sin_ptr + pos * stride_table + offs_c, mask=offs_c < HALF, other=0.0)
+    _rotate_rows(q_ptr, stride_q, t, cos, sin, num_q_heads, HALF, BLOCK_QH, BLOCK_HALF)
+    _rotate_rows(k_ptr, stride_k, t, cos, sin, num_k_heads, HALF, BLOCK_KH, BLOCK_HALF)
+
+
+def _check(name: str, x: torch.Tensor) -> None:
+    if x.stride(2) != 1 or (x.shape[1] > 1 and x.stride(1) != x.shape[2]):
+        raise ValueError(f"{name} rows must hold contiguous [heads, dim], got strides {tuple(x.stride())}")
+
+
+def rotary_inplace(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
+) -> None:
+    """q [T, Hq, D], k [T, Hkv, D] rotated in place; cos/sin [max_pos, D/2] float32 tables."""
+    _check("q", q)
+    _check("k", k)
+    if cos.stride(-1) != 1 or cos.stride() != sin.stride():
+        raise ValueError("cos and sin must be row-major tables of one layout")
+    num_tokens, half = q.shape[0], q.shape[2] // 2
+    if num_tokens == 0:
+        return
+    _rotary_kernel[(num_tokens,)](
+        q, k, cos, sin, positions, q.stride(0), k.stride(0), cos.stride(0), q.shape[1], k.shape[1],
+        HALF=half, BLOCK_QH=next_power_of_2(q.shape[1]), BLOCK_KH=next_power_of_2(k.shape[1]),
+        BLOCK_HALF=next_power_of_2(half),
+    )  # fmt: skip
+
+
+def rotary_reference(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    c = cos.index_select(0, positions).unsqueeze(1).to(q.dtype)
+    s = sin.index_select(0, positions).unsqueeze(1).to(q.dtype)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+    return rotate(q), rotate(k)

@@ -1,0 +1,51 @@
+"""Fused RMSNorm (+ residual), in-place rotary and SiLU-and-mul against their torch references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenspeed_kernels.activation import silu_and_mul, silu_and_mul_reference
+from tokenspeed_kernels.rmsnorm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
+from tokenspeed_kernels.rotary import rotary_inplace, rotary_reference
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rms_norm_and_fused_residual(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 48, generator=gen).to(dtype)
+    residual = torch.randn(5, 48, generator=gen).to(dtype)
+    weight = torch.randn(48, generator=gen).to(dtype)
+    tol = 1e-6 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(rms_norm(x, weight, 1e-6), rms_norm_reference(x, weight, 1e-6), atol=tol, rtol=tol)
+    res_kernel, res_ref = residual.clone(), residual.clone()
+    out = add_rms_norm(x, res_kernel, weight, 1e-6)
+    ref = add_rms_norm_reference(x, res_ref, weight, 1e-6)
+    assert torch.equal(res_kernel, res_ref)  # the add rounds exactly as torch does
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rotary_in_place_on_fused_views(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    heads, kv_heads, dim, tokens = 4, 2, 16, 6
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    q = qkv[:, : heads * dim].view(tokens, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    v_before = qkv[:, (heads + kv_heads) * dim :].clone()
+    angles = torch.rand(64, dim // 2, generator=gen) * 6
+    cos, sin = angles.cos(), angles.sin()
+    positions = torch.tensor([0, 5, 63, 7, 7, 1])
+    ref_q, ref_k = rotary_reference(q.clone(), k.clone(), cos, sin, positions)
+    rotary_inplace(q, k, cos, sin, positions)
+    tol = 1e-6 if dtype == torch.float32 else 1e-3
+    torch.testing.assert_close(q, ref_q, atol=tol, rtol=tol)
+    torch.testing.assert_close(k, ref_k, atol=tol, rtol=tol)
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim :], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_silu_and_mul(dtype: torch.dtype) -> None:
+    x = torch.randn(3, 2 * 1500, generator=torch.Generator().manual_seed(2)).to(dtype)  # two column blocks
+    tol = 1e-6 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(silu_and_mul(x), silu_and_mul_reference(x), atol=tol, rtol=tol)

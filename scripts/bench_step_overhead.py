@@ -97,7 +97,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
-    print(f"{'running':>8} {'overhead ms (median)':>22} {'p90':>8} {'of a %.0f ms step' % args.step_ms:>18}")
+    step_label = f"of a {args.step_ms:.0f} ms step"
+    print(f"{'running':>8} {'overhead ms (median)':>22} {'p90':>8} {step_label:>18}")
     for r in rows:
         print(
             f"{r['running_requests']:>8} {r['overhead_ms_median']:>22.3f} {r['overhead_ms_p90']:>8.3f} "

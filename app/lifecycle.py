@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import mmap
 import os
 import signal
+import struct
 import sys
+import time
 from collections.abc import Callable
 
 LOG_FORMAT = "[%(asctime)s %(processName)s] %(levelname)s %(name)s: %(message)s"
@@ -48,3 +51,54 @@ def _die_with_parent() -> None:
 
 def on_sigterm(callback: Callable[[], None]) -> None:
     signal.signal(signal.SIGTERM, lambda *_: callback())
+
+
+# ---------------------------------------------------------------- liveness heartbeats
+
+HEARTBEAT_INTERVAL_S = 1.0  # every process loop beats at least this often while it is healthy
+_STAMP = struct.Struct("d")
+
+
+class Heartbeat:
+    """One process's liveness: the CLOCK_MONOTONIC time (system-wide on Linux) of its last beat, in an
+    8-byte file of the runtime dir mapped into memory, so a beat is a memory write, not a syscall. The
+    supervisor creates the file before it starts the child; the child beats from its main loop; the
+    supervisor (and http's readiness) read the age. A wedged loop stops beating."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self._map = mmap.mmap(fd, _STAMP.size)
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def path_of(runtime_dir: str, name: str) -> str:
+        return os.path.join(runtime_dir, f"heartbeat-{name}")
+
+    @classmethod
+    def create(cls, runtime_dir: str, name: str) -> Heartbeat:
+        path = cls.path_of(runtime_dir, name)
+        with open(path, "wb") as f:
+            f.write(_STAMP.pack(time.monotonic()))
+        return cls(path)
+
+    @classmethod
+    def attach(cls, runtime_dir: str, name: str) -> Heartbeat | None:
+        """The heartbeat the supervisor made for `name`; None when there is none (a process run alone)."""
+        path = cls.path_of(runtime_dir, name)
+        return cls(path) if os.path.exists(path) else None
+
+    def beat(self) -> None:
+        _STAMP.pack_into(self._map, 0, time.monotonic())
+
+    def age(self) -> float:
+        """Seconds since the last beat."""
+        return time.monotonic() - _STAMP.unpack_from(self._map, 0)[0]
+
+
+def beat(heartbeat: Heartbeat | None) -> None:
+    if heartbeat is not None:
+        heartbeat.beat()
+

@@ -205,6 +205,7 @@ class TokenDelta:
 @dataclass(slots=True)
 class TokenDeltas:
     deltas: list[TokenDelta]
+    time: float = 0.0  # time.time() when the scheduler produced them (per-request latency metrics)
 
 
 @dataclass(slots=True)

@@ -1,8 +1,10 @@
 """The supervisor: starts the processes, waits until all are ready, watches them, stops them.
 
-Policy: any child that dies brings the whole appliance down with a non-zero exit (the
-container's restart policy restarts it; there are no half-alive states). SIGTERM or SIGINT
-drains: the HTTP process stops admitting and lets in-flight requests finish up to
+Policy: any child that dies, or that stops its liveness heartbeat for longer than --heartbeat-timeout
+(--worker-heartbeat-timeout for workers: it is wedged), brings the whole appliance down with a
+non-zero exit (the container's restart policy restarts it; there are no half-alive states). The
+HTTP process is told first, so every request in flight gets a 503 instead of a dropped connection.
+SIGTERM or SIGINT drains: the HTTP process stops admitting and lets in-flight requests finish up to
 --drain-timeout, then the children stop in order (http, tokenizer, scheduler, workers) and the
 supervisor exits 0. Children die with the supervisor even if it is SIGKILLed (PDEATHSIG).
 """
@@ -28,12 +30,14 @@ from app.ipc import Endpoints
 log = logging.getLogger("tokenspeed.supervisor")
 
 STOP_GRACE_SECONDS = 5.0
+FAIL_NOTICE_SECONDS = 10.0  # time http gets to answer its requests after an engine failure
 
 
 @dataclass
 class Child:
     name: str
     process: mp.process.BaseProcess
+    heartbeat: lifecycle.Heartbeat
 
 
 class Supervisor:
@@ -47,6 +51,13 @@ class Supervisor:
         self.children: list[Child] = []
         self.stop_requested = False
         self.ready_info: dict[str, dict] = {}
+        # A signal writes here so the watch loop wakes at once instead of at its next poll.
+        self._wake_r, self._wake_w = os.pipe()
+        self.failure: str | None = None  # why the appliance is coming down, once a child failed
+
+    def request_stop(self) -> None:
+        self.stop_requested = True
+        os.write(self._wake_w, b"x")
 
     # ------------------------------------------------------------------ start
 
@@ -56,13 +67,18 @@ class Supervisor:
         from app.tokenizer.process import run_tokenizer
         from app.worker.process import run_worker
 
+        if self.settings.enable_metrics:  # before any child imports prometheus_client
+            from app.metrics.exposition import prepare_multiprocess_dir
+
+            prepare_multiprocess_dir(self.runtime_dir)
         spawn = mp.get_context("spawn")
         targets = [("http", run_http, ()), ("tokenizer", run_tokenizer, ()), ("scheduler", run_scheduler, ())]
         targets += [(f"worker{r}", run_worker, (r,)) for r in range(self.world_size)]
         for name, target, extra in targets:
+            heartbeat = lifecycle.Heartbeat.create(self.runtime_dir, name)
             proc = spawn.Process(target=target, args=(self.settings, self.endpoints, *extra), name=name)
             proc.start()
-            self.children.append(Child(name, proc))
+            self.children.append(Child(name, proc, heartbeat))
             log.info("started %s (pid %d)", name, proc.pid)
 
     @property
@@ -91,6 +107,9 @@ class Supervisor:
         worker = self.ready_info.get("worker0", {})
         # The model's figures win (its vocab is often padded past the tokenizer's).
         info = {**self.ready_info.get("tokenizer", {}), **worker, "startup_seconds": time.time() - started}
+        # The tokenizer records per-request metrics under this name when metrics are on.
+        info["served_model_name"] = self.settings.served_model_name
+        info["enable_metrics"] = bool(self.settings.enable_metrics)
         # The tokenizer forwards it to http once it has taken it in (see app/tokenizer/core.py).
         push = ipc.connect_push(self.ctx, self.endpoints.inbox("tokenizer"))
         ipc.send(push, p.EngineReady(info))
@@ -104,18 +123,44 @@ class Supervisor:
         for child in self.children:
             if not child.process.is_alive():
                 code = child.process.exitcode
+                self.failure = f"{child.name} died with exit code {code}"
                 log.error("%s (pid %d) died with exit code %s", child.name, child.process.pid, code)
                 return child
         return None
 
+    def heartbeat_timeout(self, name: str) -> float:
+        s = self.settings
+        return s.worker_heartbeat_timeout if name.startswith("worker") else s.heartbeat_timeout
+
+    def _wedged_child(self) -> Child | None:
+        for child in self.children:
+            age, limit = child.heartbeat.age(), self.heartbeat_timeout(child.name)
+            if age > limit:
+                flag = "--worker-heartbeat-timeout" if child.name.startswith("worker") else "--heartbeat-timeout"
+                self.failure = f"{child.name} is wedged (no heartbeat for {age:.1f} s)"
+                log.error("%s (pid %d) is wedged: no heartbeat for %.1f s (%s %g); stopping the appliance",
+                          child.name, child.process.pid, age, flag, limit)
+                return child
+        return None
+
     def watch(self) -> int:
-        """Block until a child dies (return 1) or a stop is requested (return 0)."""
-        sentinels = [c.process.sentinel for c in self.children]
+        """Block until a child dies or wedges (return 1) or a stop is requested (return 0)."""
+        waitables = [c.process.sentinel for c in self.children] + [self._wake_r]
         while not self.stop_requested:
-            multiprocessing.connection.wait(sentinels, timeout=0.5)
-            if self._dead_child() is not None:
+            multiprocessing.connection.wait(waitables, timeout=0.5)
+            if self._dead_child() is not None or self._wedged_child() is not None:
                 return 1
         return 0
+
+    def fail_http(self) -> None:
+        """After a failure: http answers every request in flight with 503 and exits, before the rest stop."""
+        http = next((c for c in self.children if c.name == "http"), None)
+        if http is None or not http.process.is_alive():
+            return
+        push = ipc.connect_push(self.ctx, self.endpoints.inbox("http"))
+        ipc.send(push, p.Shutdown(self.failure or "an engine process failed"))
+        push.close(linger=1000)
+        http.process.join(FAIL_NOTICE_SECONDS)
 
     def drain_and_stop(self) -> None:
         """SIGTERM to http (it drains), then stop the rest in pipeline order."""
@@ -140,6 +185,8 @@ class Supervisor:
 
     def close(self) -> None:
         self.ctx.destroy(linger=0)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
 
@@ -151,7 +198,7 @@ def serve(settings) -> int:
 
     def request_stop(signum, _frame) -> None:
         log.info("received %s: shutting down", signal.Signals(signum).name)
-        sup.stop_requested = True
+        sup.request_stop()
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
@@ -168,6 +215,7 @@ def serve(settings) -> int:
         if code == 0:
             sup.drain_and_stop()
         else:
+            sup.fail_http()
             sup.stop_all()
         log.info("stopped (exit code %d)", code)
         return code

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenspeed_kernels.common import check_last_dim_contiguous, dot_precision, next_power_of_2
+from .common import check_last_dim_contiguous, dot_precision, next_power_of_2
 
 BLOCK_N = 64
 
@@ -118,7 +118,9 @@ def _decode_merge_kernel(
     w = tl.exp(lse - m)
     w = w / tl.sum(w, 0)
     mask = s_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
-    parts = tl.load(part_out_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0)
+    parts = tl.load(
+        part_out_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0
+    )
     out = tl.sum(parts * w[:, None], 0)
     tl.store(
         out_ptr + b * stride_ob + h * stride_oh + offs_d,

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenspeed_kernels.common import next_power_of_2
+from .common import next_power_of_2
 
 
 @triton.jit

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenspeed_kernels.common import check_last_dim_contiguous, dot_precision, next_power_of_2
+from .common import check_last_dim_contiguous, dot_precision, next_power_of_2
 
 BLOCK_M = 64
 BLOCK_N = 64

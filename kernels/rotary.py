@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenspeed_kernels.common import next_power_of_2
+from .common import next_power_of_2
 
 
 @triton.jit
@@ -24,12 +24,16 @@ def _rotate_rows(ptr, stride_t, t, cos, sin, n_heads, HALF: tl.constexpr, BLOCK_
     base = ptr + t * stride_t + offs_h[:, None] * (2 * HALF) + offs_c[None, :]
     x1 = tl.load(base, mask=mask, other=0.0)
     x2 = tl.load(base + HALF, mask=mask, other=0.0)
-    c = cos[None, :].to(x1.dtype)
-    s = sin[None, :].to(x1.dtype)
-    o1 = (x1 * c).to(x1.dtype) - (x2 * s).to(x1.dtype)
-    o2 = (x2 * c).to(x1.dtype) + (x1 * s).to(x1.dtype)
-    tl.store(base, o1.to(x1.dtype), mask=mask)
-    tl.store(base + HALF, o2.to(x1.dtype), mask=mask)
+    dtype = x1.dtype
+    # Every product and sum in float32, rounded to the activation dtype after each op as torch does;
+    # explicit casts keep the compiler from contracting a product and a sum into one FMA.
+    c = cos[None, :].to(dtype).to(tl.float32)
+    s = sin[None, :].to(dtype).to(tl.float32)
+    a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
+    o1 = (a1 * c).to(dtype).to(tl.float32) - (a2 * s).to(dtype).to(tl.float32)
+    o2 = (a2 * c).to(dtype).to(tl.float32) + (a1 * s).to(dtype).to(tl.float32)
+    tl.store(base, o1.to(dtype), mask=mask)
+    tl.store(base + HALF, o2.to(dtype), mask=mask)
 
 
 @triton.jit

@@ -8,8 +8,10 @@ CONFIG_ENV = "TOKENSPEED_CONFIG"
 
 # TOKENSPEED_* variables that are not settings (so the unknown-variable check leaves them alone).
 # TOKENSPEED_CONFIG names the recipe; TOKENSPEED_DEFAULT_MODEL_DIR is where `make model` puts the
-# embedded default model (the Makefile exports it to the test run).
-NON_SETTING_ENV_VARS = frozenset({CONFIG_ENV, "TOKENSPEED_DEFAULT_MODEL_DIR"})
+# embedded default model (the Makefile exports it to the test run). TOKENSPEED_TEST_FAULT is the
+# test-only fault switch the worker reads (app/worker/process.py; never set it in production).
+TEST_FAULT_ENV = "TOKENSPEED_TEST_FAULT"
+NON_SETTING_ENV_VARS = frozenset({CONFIG_ENV, "TOKENSPEED_DEFAULT_MODEL_DIR", TEST_FAULT_ENV})
 
 # Alternative names of a setting (field spelling), accepted on the CLI, in env and in YAML.
 ALIASES: dict[str, str] = {

@@ -109,6 +109,11 @@ class Settings(BaseSettings):
         None, "Model name returned by the OpenAI-compatible API. Defaults to the model.", API_SURFACE,
         min_length=1)
     api_key: SecretStr | None = _f(None, "API key required by the server.", API_SURFACE, min_length=1)
+    admin_api_key: SecretStr | None = _f(
+        None, "API key of the control routes (abort, cache flush, weight version and weight updates, pause and "
+        "continue). When set, those routes need it and the --api-key no longer opens them; it also opens every "
+        "other route.", API_SURFACE,
+        origin="appliance", min_length=1)
     chat_template: str | None = _f(None, "Built-in chat template name or template file path.", API_SURFACE)
     stream_interval: int = _f(
         1, "Streaming buffer interval in generated tokens. Smaller values stream more frequently.",
@@ -270,6 +275,22 @@ class Settings(BaseSettings):
     engine_startup_timeout: float = _f(
         1800.0, "Seconds the supervisor waits for every process to report ready (model load and warm-up).",
         APPLIANCE, origin="appliance", gt=0)
+    max_queued_requests: int = _f(
+        1024, "Requests that may wait for a running slot; beyond --max-num-seqs running plus this many "
+        "waiting, new requests get 503 with Retry-After.", APPLIANCE, origin="appliance", ge=1)
+    request_timeout: float | None = _f(
+        None, "Seconds a request may take in all (queueing included); past it the request is aborted, its KV "
+        "freed, and the client gets 504 (or a terminal stream error). Unset: no limit.", APPLIANCE,
+        origin="appliance", gt=0)
+    ttft_timeout: float | None = _f(
+        None, "Seconds a request may wait for its first token; past it the request is aborted and the client "
+        "gets 504. Unset: no limit.", APPLIANCE, origin="appliance", gt=0)
+    heartbeat_timeout: float = _f(
+        30.0, "Seconds the http, tokenizer or scheduler process may go without a liveness heartbeat before the "
+        "supervisor declares it wedged and stops the appliance (exit 1).", APPLIANCE, origin="appliance", gt=0)
+    worker_heartbeat_timeout: float = _f(
+        600.0, "Seconds a worker may go without a liveness heartbeat (one step, or a weight update) before the "
+        "supervisor declares it wedged and stops the appliance (exit 1).", APPLIANCE, origin="appliance", gt=0)
 
     # ------------------------------------------------------------------ validators
     @field_validator(*_PATH_FIELDS)
@@ -318,6 +339,11 @@ class Settings(BaseSettings):
     def api_key_value(self) -> str | None:
         """The API key in clear, for the code that checks requests (repr/str/config show mask it)."""
         return self.api_key.get_secret_value() if self.api_key is not None else None
+
+    @property
+    def admin_api_key_value(self) -> str | None:
+        """The admin API key in clear (repr/str/config show mask it)."""
+        return self.admin_api_key.get_secret_value() if self.admin_api_key is not None else None
 
 
 # Fields whose default is computed from another setting, and what it follows (for `config show`).

@@ -15,6 +15,7 @@ from typing import Any
 
 from app.config.errors import Problem
 from app.config.names import flag_of
+from app.metrics.kv_events import kv_events_config_problem
 
 
 @dataclass(frozen=True)
@@ -56,13 +57,17 @@ RULES: tuple[Rule, ...] = (
          "tokenizer mode is not built yet"),
     only("load_format", "auto", "safetensors", "pt", "dummy",
          why="npcache and extensible weight loading are not built yet"),
-    only("kv_cache_dtype", "auto", why="quantized KV caches are not built yet"),
-    only("kv_cache_quant_method", "none", why="KV cache quantization is not built yet"),
-    only("quantization", None, why="weight quantization is not built yet"),
-    only("quantization_param_path", None, why="FP8 KV cache scaling factors are not built yet"),
-    # Scheduler: CUDA graphs are captured at sizes the worker chooses.
-    only("max_cudagraph_capture_size", None, why="CUDA graph capture sizes are not configurable yet"),
-    only("cudagraph_capture_sizes", None, why="CUDA graph capture sizes are not configurable yet"),
+    # FP8 (docs/quantization.md). The FP4/MX formats need Blackwell; --quantization-param-path (FP8 KV
+    # scales) is accepted as any path and checked by the worker (it needs an FP8 KV cache).
+    only("kv_cache_dtype", "auto", "fp8", "fp8_e4m3",
+         why="an MXFP8 KV cache needs NVIDIA Blackwell GPUs (SM100 or newer); this build runs an FP8 (e4m3) "
+         "KV cache on Hopper"),
+    only("kv_cache_quant_method", "none",
+         why="per-token-head KV scales are not built (the FP8 KV cache uses per-layer scales from "
+         "--quantization-param-path)"),
+    only("quantization", None, "fp8", "w8a8_fp8", "compressed-tensors",
+         why="nvfp4 and mxfp4 need NVIDIA Blackwell GPUs (B200/GB200, SM100 or newer); this build runs FP8 "
+         "(fp8, w8a8_fp8, compressed-tensors) on Hopper (H100/H200) and Ada"),
     # Parallelism.
     *_all(["tensor_parallel_size", "data_parallel_size", "expert_parallel_size", "nnodes"], 1, _PARALLEL),
     *_all(["dense_tp_size", "moe_tp_size", "world_size", "nprocs_per_node"], None, _PARALLEL),
@@ -71,8 +76,8 @@ RULES: tuple[Rule, ...] = (
     only("enable_expert_parallel", False, why=_PARALLEL),
     only("mm_encoder_tp_mode", "weights", why="multimodal models are not built yet"),
     # Backends.
-    only("attention_backend", None, "torch",
-         why="this build has the portable 'torch' attention backend only (leave it unset or set torch)"),
+    only("attention_backend", None, "torch", "triton", "flashinfer",
+         why="this build has the torch (portable), triton and flashinfer (CUDA) attention backends"),
     only("sampling_backend", None, "greedy",
          why="this build has its portable torch sampler only (leave it unset or set greedy)"),
     only("drafter_attention_backend", None, why=_SPEC),
@@ -91,11 +96,11 @@ RULES: tuple[Rule, ...] = (
     only("speculative_num_steps", 3, why=_SPEC),
     only("speculative_num_draft_tokens", None, 4, why=_SPEC),
     only("speculative_eagle_topk", 1, why=_SPEC),
-    # Observability.
-    only("enable_log_request_stats", False, why="the per-request stats line is not built yet"),
-    only("enable_metrics", False, why="metrics reporting is not built yet"),
-    only("metrics_reporters", ["prometheus"], why="metrics reporting is not built yet"),
-    only("kv_events_config", None, why="KV cache events are not built yet"),
+    # Observability: metrics, request stats and KV events are built; the events config is checked here.
+    Rule("kv_events_config", lambda v: kv_events_config_problem(v) is None,
+         "it must be a JSON object with the keys enable_kv_cache_events (bool), publisher (zmq or null), "
+         "endpoint, topic, replay_endpoint, buffer_steps (>= 1) and hwm (>= 0); see docs/kv-events.md",
+         "unset, or a JSON object of the keys in docs/kv-events.md"),
     # TokenSpeed-specific runtime knobs.
     only("disable_kvstore", True, why=_KVSTORE),
     only("kvstore_ratio", 2.0, why=_KVSTORE),

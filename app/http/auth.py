@@ -1,8 +1,13 @@
-"""API-key check for every route but the health probes (ASGI middleware; the key is never logged)."""
+"""API-key checks (ASGI middleware). Every route needs the API key except the open ones (health probes,
+/metrics); with --admin-api-key the control routes need the admin key instead, which also opens every
+other route. Keys are compared in constant time, as SHA-256 digests so that not even a key's length
+shows in the timing; they are never logged."""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+from collections.abc import Iterable
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -20,20 +25,50 @@ def presented_key(headers: Headers) -> str | None:
     return headers.get("x-api-key")
 
 
+OPEN, API, ADMIN = "open", "api", "admin"  # who may call a route: anyone, API-key holders, admins
+
+
+def key_digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
+def key_matches(presented: str | None, expected: bytes | None) -> bool:
+    """Constant time in the presented key's value and length."""
+    if presented is None or expected is None:
+        return False
+    return hmac.compare_digest(key_digest(presented), expected)
+
+
 class ApiKeyMiddleware:
-    def __init__(self, app: ASGIApp, api_key: str, open_paths: tuple[str, ...]) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, open_paths: Iterable[str], *,
+                 admin_key: str | None = None, admin_paths: Iterable[str] = ()) -> None:
         self.app = app
-        self._key = api_key.encode()
+        self._api = key_digest(api_key) if api_key else None
+        self._admin = key_digest(admin_key) if admin_key else None
         self._open = frozenset(open_paths)
+        self._admin_paths = frozenset(admin_paths)
+
+    def access(self, path: str) -> str:
+        if path in self._open:
+            return OPEN
+        return ADMIN if self._admin is not None and path in self._admin_paths else API
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in self._open or self._allowed(Headers(scope=scope)):
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        error = APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'",
-                         code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        level = self.access(scope["path"])
+        key = presented_key(Headers(scope=scope)) if level != OPEN else None
+        if level == OPEN or key_matches(key, self._admin) or (level == API and self._api_allows(key)):
+            await self.app(scope, receive, send)
+            return
+        if level == ADMIN and key_matches(key, self._api):
+            error = APIError(403, "this control route needs the admin API key (--admin-api-key)",
+                             code="admin_key_required")
+        else:
+            error = APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'",
+                             code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         await error.response()(scope, receive, send)
 
-    def _allowed(self, headers: Headers) -> bool:
-        key = presented_key(headers)
-        return key is not None and hmac.compare_digest(key.encode(), self._key)
+    def _api_allows(self, key: str | None) -> bool:
+        return self._api is None or key_matches(key, self._api)

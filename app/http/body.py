@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -25,6 +27,35 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 parses as inf
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return value
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    """A \\ud800-\\udfff escape without its pair decodes to a string that is not Unicode (it cannot be
+    encoded, so it would fail deep inside the engine, or while rendering an error that echoes it)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
 async def read_json(request: Request) -> Any:
     """The parsed JSON body; 413 past MAX_BODY_BYTES, 400 when empty or malformed."""
     declared = request.headers.get("content-length", "")
@@ -44,9 +75,17 @@ async def read_json(request: Request) -> Any:
     if not raw.strip():
         raise bad_request("the request body is empty: send a JSON object")
     try:
-        return json.loads(raw, parse_constant=_reject_constant)
+        text = raw.decode("utf-8")  # RFC 8259: JSON between systems is UTF-8
+    except UnicodeDecodeError as exc:
+        raise bad_request(f"malformed JSON body: not valid UTF-8 ({exc})") from exc
+    try:
+        body = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
     except (ValueError, RecursionError) as exc:
         raise bad_request(f"malformed JSON body: {exc}") from exc
+    if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(body):
+        raise bad_request("the body has a lone UTF-16 surrogate escape (\\ud800-\\udfff without its pair): "
+                          "that is not valid Unicode")
+    return body
 
 
 async def read_object(request: Request) -> dict[str, Any]:

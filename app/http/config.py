@@ -29,6 +29,18 @@ class HttpConfig:
     log_requests_level: int
     drain_timeout: float
     settings_view: dict[str, Any]  # every resolved setting, secrets masked (GET /get_server_info)
+    enable_metrics: bool = False  # GET /metrics (Prometheus), open without the API key
+    # Reliability (docs/operations.md); defaults match app.config.Settings for stand-in settings objects.
+    admin_api_key: str | None = None  # with it, the control routes need this key (it opens every route)
+    max_num_seqs: int = 160
+    max_queued_requests: int = 1024
+    heartbeat_timeout: float = 30.0
+    worker_heartbeat_timeout: float = 600.0
+
+    @property
+    def capacity(self) -> int:
+        """Engine requests the appliance holds at once: running plus queued; beyond it, 503."""
+        return self.max_num_seqs + self.max_queued_requests
 
     @classmethod
     def from_settings(cls, settings: Any) -> HttpConfig:
@@ -52,6 +64,10 @@ class HttpConfig:
             log_requests_level=int(settings.log_requests_level),
             drain_timeout=float(settings.drain_timeout),
             settings_view=masked_settings(settings),
+            enable_metrics=bool(getattr(settings, "enable_metrics", False))
+            and "prometheus" in getattr(settings, "metrics_reporters", ["prometheus"]),
+            admin_api_key=_secret(settings, "admin_api_key"),
+            **{name: kind(getattr(settings, name, _DEFAULTS[name])) for name, kind in _RELIABILITY.items()},
         )
 
     def model_names(self) -> tuple[str, ...]:
@@ -66,6 +82,16 @@ def _api_key(settings: Any) -> str | None:
     if isinstance(key, SecretStr):
         return key.get_secret_value()
     return key
+
+
+def _secret(settings: Any, name: str) -> str | None:
+    value = getattr(settings, name, None)
+    return value.get_secret_value() if isinstance(value, SecretStr) else value
+
+
+_RELIABILITY = {"max_num_seqs": int, "max_queued_requests": int, "heartbeat_timeout": float,
+                "worker_heartbeat_timeout": float}
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(HttpConfig)}
 
 
 def _is_secret_name(name: str) -> bool:

@@ -84,7 +84,7 @@ async def get_model_info(request: Request) -> Response:
     state = server_state(request)
     cfg, info = state.config, state.client.info
     return JSON({
-        "model_path": cfg.model_path, "tokenizer_path": cfg.tokenizer_path,
+        "model_path": state.model_path, "tokenizer_path": cfg.tokenizer_path,
         "served_model_name": cfg.served_model_name, "is_generation": True,
         "max_context_length": info.get("max_model_len"), "vocab_size": info.get("vocab_size"),
         "eos_token_ids": info.get("eos_token_ids"), "weight_version": state.weight_version,
@@ -117,7 +117,7 @@ async def update_weight_version(request: Request) -> Response:
 
 async def model_info(request: Request) -> Response:
     state = server_state(request)
-    return JSON({"model_path": state.config.model_path, "weight_version": state.weight_version})
+    return JSON({"model_path": state.model_path, "weight_version": state.weight_version})
 
 
 ROUTES = [

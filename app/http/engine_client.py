@@ -90,6 +90,9 @@ class BaseEngineClient(abc.ABC):
         self.on_shutdown = on_shutdown
         self._sinks: dict[str, tuple[Submission, DeltaSink]] = {}
         self._controls: dict[str, asyncio.Future[ControlReply]] = {}
+        # Sees every control reply as it arrives, before any later output is delivered (ServerState
+        # applies a weight update's new version here, so no later response carries the old one).
+        self.on_control_reply: Callable[[ControlReply], None] | None = None
 
     # ------------------------------------------------------------ transport
 
@@ -144,14 +147,15 @@ class BaseEngineClient(abc.ABC):
             raise ValueError("abort needs exactly one of rid or abort_all")
         self._send_abort(AbortRequest(rid=rid, abort_all=abort_all, reason=reason))
 
-    def fail_all(self, reason: str) -> int:
-        """End every request in flight here, now, with an abort delta (the engine may be gone)."""
+    def fail_all(self, reason: str, error_code: int = 0) -> int:
+        """End every request in flight here, now, with an abort delta (the engine may be gone); with an
+        error_code (e.g. 503 after an engine failure) the requests fail with that status."""
         subs = [sub for sub, _ in self._sinks.values()]
         for sub in subs:
             prompt, completion, cached = sub.counts
             self._deliver(TextDelta(rid=sub.rid, text="", token_ids=[], finish_reason=FINISH_ABORT,
                                     prompt_tokens=prompt, completion_tokens=completion,
-                                    cached_tokens=cached, error=reason))
+                                    cached_tokens=cached, error=reason, error_code=error_code))
         return len(subs)
 
     async def control(self, kind: str, args: dict[str, Any] | None = None, timeout: float = 30.0) -> ControlReply:
@@ -172,6 +176,8 @@ class BaseEngineClient(abc.ABC):
             for delta in msg.deltas:
                 self._deliver(delta)
         elif isinstance(msg, ControlReply):
+            if self.on_control_reply is not None:
+                self.on_control_reply(msg)
             future = self._controls.pop(msg.req_id, None)
             if future is not None and not future.done():
                 future.set_result(msg)

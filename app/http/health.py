@@ -25,10 +25,11 @@ async def health(request: Request) -> Response:
 
 async def readiness(request: Request) -> Response:
     state = server_state(request)
-    if state.ready():
+    reason = state.unready_reason()
+    if reason is None:
         return JSONResponse({"status": "ready"})
-    status = "draining" if state.draining else "not ready"
-    return JSONResponse({"status": status}, status_code=503, headers={"Retry-After": RETRY_AFTER_S})
+    body = {"status": reason} if reason in ("draining", "not ready") else {"status": "not ready", "reason": reason}
+    return JSONResponse(body, status_code=503, headers={"Retry-After": RETRY_AFTER_S})
 
 
 async def health_generate(request: Request) -> Response:

@@ -14,8 +14,10 @@ from starlette.routing import Route
 
 from app.http.body import StrictBody, read_object, validate
 from app.http.errors import bad_request
+from app.http.limits import check_text_length
 from app.http.runner import run_stream, run_whole
 from app.http.sampling import (
+    LogitBias,
     MaxTokens,
     MinP,
     MinTokens,
@@ -23,8 +25,8 @@ from app.http.sampling import (
     Penalty,
     RepetitionPenalty,
     Seed,
+    StopTokenIds,
     Temperature,
-    TokenId,
     TopK,
     TopP,
     check_stop,
@@ -38,6 +40,7 @@ from app.http.streaming import JSON
 from app.protocol import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, GenerateRequest, SamplingParams, TextDelta
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
+MAX_RID_CHARS = 256  # request ids travel in every message and log line
 
 
 class NativeSampling(StrictBody):
@@ -51,14 +54,14 @@ class NativeSampling(StrictBody):
     presence_penalty: Penalty | None = None
     repetition_penalty: RepetitionPenalty | None = None
     stop: list[str] | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: StopTokenIds | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     no_stop_trim: bool | None = None
     seed: Seed | None = None
     sampling_seed: Seed | None = None  # SGLang's name for seed
-    logit_bias: dict[str, float] | None = None
+    logit_bias: LogitBias | None = None
     n: int | None = None
 
     _top_k = field_validator("top_k")(check_top_k)
@@ -162,6 +165,9 @@ def _rids(body: GenerateBody, size: int, batch: bool) -> list[str]:
         raise bad_request(f"invalid value for 'rid': must be {shape}", param="rid")
     if not all(isinstance(r, str) and r for r in rids):
         raise bad_request("invalid value for 'rid': request ids must be non-empty strings", param="rid")
+    if any(len(r) > MAX_RID_CHARS for r in rids):
+        raise bad_request(f"invalid value for 'rid': a request id may have at most {MAX_RID_CHARS} characters",
+                          param="rid")
     if len(set(rids)) != len(rids):
         raise bad_request("invalid value for 'rid': request ids must be unique", param="rid")
     return rids
@@ -205,7 +211,7 @@ class NativeView:
     rids: list[str]
     batch: bool
     arrival: float
-    weight_version: str
+    state: ServerState  # its weight version is read when each response is built (updates show at once)
     return_logprob: bool
     top_logprobs_num: int
     text_in_logprobs: bool
@@ -214,7 +220,7 @@ class NativeView:
         meta: dict[str, Any] = {
             "id": self.rids[index], "finish_reason": finish_info(delta), "prompt_tokens": delta.prompt_tokens,
             "completion_tokens": delta.completion_tokens, "cached_tokens": delta.cached_tokens,
-            "weight_version": self.weight_version,
+            "weight_version": self.state.weight_version,
         }
         if delta.finish_reason is not None:
             meta["e2e_latency"] = time.time() - self.arrival
@@ -272,6 +278,8 @@ async def generate(request: Request) -> Response:
     for i, fields in enumerate(prompts):
         if "input_ids" in fields:
             check_token_ids(fields["input_ids"], vocab_size, f"input_ids[{i}]" if batch else "input_ids")
+        else:
+            check_text_length(len(fields["text"]), state.client.info, f"text[{i}]" if batch else "text")
     rids = _rids(body, len(prompts), batch)
     samplings = _sampling(body, len(prompts), batch, vocab_size)
     if body.top_logprobs_num and not body.return_logprob:
@@ -279,7 +287,7 @@ async def generate(request: Request) -> Response:
     now = time.time()
     requests = [GenerateRequest(rid=rid, sampling=sampling, stream=body.stream, arrival_time=now, **fields)
                 for rid, sampling, fields in zip(rids, samplings, prompts, strict=True)]
-    view = NativeView(rids, batch, now, state.weight_version, body.return_logprob, body.top_logprobs_num,
+    view = NativeView(rids, batch, now, state, body.return_logprob, body.top_logprobs_num,
                       body.return_text_in_logprobs)
     log_rid = rids[0] if len(rids) == 1 else f"{rids[0]}..(+{len(rids) - 1})"
     state.request_log.received(log_rid, "/generate", [p.get("text", p.get("input_ids")) for p in prompts],

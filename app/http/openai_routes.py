@@ -11,6 +11,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from app.http.body import read_object
+from app.http.limits import check_text_length, check_text_prompts
 from app.http.openai_format import (
     ChatStream,
     CompletionStream,
@@ -72,6 +73,8 @@ async def completions(request: Request) -> Response:
     check_model(body.model, state.config.model_names())
     rid = f"cmpl-{uuid.uuid4().hex}"
     prompts = body.prompts
+    check_text_prompts(((f"prompt[{i}]" if len(prompts) > 1 else "prompt", p) for i, p in enumerate(prompts)
+                        if isinstance(p, str)), state.client.info)
     meta = _meta(state, rid, body.n or 1)
     stream = bool(body.stream)
     requests = fan_out(rid, meta.n, sampling, [_prompt_fields(p) for p in prompts], stream=stream,
@@ -90,6 +93,7 @@ async def chat_completions(request: Request) -> Response:
     state.check_admission()
     body, sampling = parse_chat(await read_object(request), state.client.info.get("vocab_size"))
     check_model(body.model, state.config.model_names())
+    check_text_length(sum(len(m.content) for m in body.messages), state.client.info, "messages")
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     meta = _meta(state, rid, body.n or 1)
     messages = [m.to_engine() for m in body.messages]

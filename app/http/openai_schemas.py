@@ -13,6 +13,7 @@ from pydantic import Field, field_validator
 from app.http.body import StrictBody, validate
 from app.http.errors import APIError, bad_request, unsupported
 from app.http.sampling import (
+    LogitBias,
     MaxTokens,
     MinP,
     MinTokens,
@@ -21,8 +22,8 @@ from app.http.sampling import (
     Penalty,
     RepetitionPenalty,
     Seed,
+    StopTokenIds,
     Temperature,
-    TokenId,
     TopK,
     TopP,
     check_stop,
@@ -87,10 +88,10 @@ class SamplingFields(StrictBody):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: RepetitionPenalty | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: LogitBias | None = None
     seed: Seed | None = None
     stop: list[str] | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: StopTokenIds | None = None
     ignore_eos: bool | None = None
     min_tokens: MinTokens | None = None
     skip_special_tokens: bool | None = None

@@ -9,7 +9,11 @@ from pydantic import Field
 
 from app.http.errors import bad_request
 
+# Size limits of one request's sampling options (docs/operations.md): each violation is a 400 naming it.
 MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024  # matched against the tail of the output at every token
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 1024  # entries
 SEED_MIN, SEED_LIMIT = -(2**63), 2**64  # what torch.Generator.manual_seed takes
 INT32_MAX = 2**31 - 1  # counts beyond this are nonsense (and would not fit the wire format)
 
@@ -25,6 +29,8 @@ NumChoices = Annotated[int, Field(ge=1, le=128)]
 NumLogprobs = Annotated[int, Field(ge=0, le=20)]
 Seed = Annotated[int, Field(ge=SEED_MIN, lt=SEED_LIMIT)]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+StopTokenIds = Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)]
+LogitBias = Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)]
 
 
 def check_top_k(value: int | None) -> int | None:
@@ -49,6 +55,8 @@ def check_stop(value: list[str] | None) -> list[str] | None:
         raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(value)}")
     if any(s == "" for s in value):
         raise ValueError("stop strings must not be empty")
+    if any(len(s) > MAX_STOP_STRING_CHARS for s in value):
+        raise ValueError(f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters")
     return value
 
 

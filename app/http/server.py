@@ -3,7 +3,9 @@
 run_http serves until SIGTERM or the supervisor's Shutdown. SIGINT is ignored (the supervisor
 coordinates shutdown). SIGTERM drains: new generation requests get 503 while the ones in flight may
 finish for up to drain_timeout seconds; what is left is aborted, each request still getting a
-terminal response, and then uvicorn stops.
+terminal response, and then uvicorn stops. Shutdown means an engine process failed: every request in
+flight fails at once with 503, and uvicorn stops. The event loop beats the http heartbeat; readiness
+follows the engine processes' heartbeats (app/http/liveness.py).
 """
 
 from __future__ import annotations
@@ -26,14 +28,17 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute
 
 from app import ipc
-from app.http import control, health, native, openai_routes
-from app.http.auth import ApiKeyMiddleware
+from app.http import control, health, native, openai_routes, openapi, rl_control
+from app.http.auth import ADMIN, ApiKeyMiddleware
 from app.http.config import HttpConfig
 from app.http.engine_client import BaseEngineClient, EngineClient
 from app.http.errors import CLIENT_CLOSED, APIError, ClientGone, error_body
+from app.http.liveness import beat_forever, engine_heartbeats, liveness_check
 from app.http.state import ServerState
 from app.http.streaming import JSON
 from app.ipc import Endpoints
+from app.lifecycle import Heartbeat
+from app.metrics.exposition import metrics_route
 from app.protocol import ProcessReady
 
 log = logging.getLogger(__name__)
@@ -74,10 +79,16 @@ def build_app(
     the engine client; `app.state.http` is the ServerState (drain control, in-flight count)."""
     config = HttpConfig.from_settings(settings)
     state = ServerState(config, client, health_generate_timeout)
-    routes = [*health.ROUTES, *openai_routes.ROUTES, *native.ROUTES, *control.ROUTES, *extra_routes]
+    routes = [*health.ROUTES, *openai_routes.ROUTES, *native.ROUTES, *control.ROUTES, *rl_control.ROUTES,
+              *openapi.ROUTES, *extra_routes]
+    open_paths = health.OPEN_PATHS
+    if config.enable_metrics:  # scrapers carry no key; without --enable-metrics /metrics is a 404
+        routes.append(metrics_route(config.served_model_name, lambda: client.info if client.ready else None))
+        open_paths = (*open_paths, "/metrics")
     middleware = []
-    if config.api_key:
-        middleware.append(Middleware(ApiKeyMiddleware, api_key=config.api_key, open_paths=health.OPEN_PATHS))
+    if config.api_key or config.admin_api_key:
+        middleware.append(Middleware(ApiKeyMiddleware, api_key=config.api_key, open_paths=open_paths,
+                                     admin_key=config.admin_api_key, admin_paths=openapi.paths_with(ADMIN)))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -128,7 +139,16 @@ def run_http(settings: Any, endpoints: Endpoints) -> None:
     asyncio.run(_serve(settings, config, endpoints))
 
 
-async def drain_and_stop(state: ServerState, server: uvicorn.Server, timeout: float) -> None:
+async def drain_and_stop(state: ServerState, server: uvicorn.Server, timeout: float,
+                         failure: str | None = None) -> None:
+    """Drain for up to `timeout` s; after an engine failure, fail everything in flight with 503 at once."""
+    if failure is not None:
+        state.engine_failure = failure
+        log.error("the engine failed (%s): failing %d request(s) in flight", failure, state.inflight)
+        state.client.fail_all(f"the engine failed ({failure}); the server is restarting", error_code=503)
+        await state.wait_drained(FLUSH_TIMEOUT_S)
+        server.should_exit = True
+        return
     state.begin_drain()
     if not await state.wait_drained(timeout):
         log.warning("%d request(s) still in flight after %g s: aborting them", state.inflight, timeout)
@@ -140,14 +160,20 @@ async def drain_and_stop(state: ServerState, server: uvicorn.Server, timeout: fl
 
 async def _serve(settings: Any, config: HttpConfig, endpoints: Endpoints) -> None:
     loop = asyncio.get_running_loop()
-    stop_after: asyncio.Queue[float] = asyncio.Queue()
-    client = EngineClient(endpoints, on_shutdown=lambda reason: stop_after.put_nowait(0.0))
+    # (drain timeout, engine failure): SIGTERM drains; the supervisor's Shutdown reports a failure.
+    stop_after: asyncio.Queue[tuple[float, str | None]] = asyncio.Queue()
+    client = EngineClient(endpoints, on_shutdown=lambda reason: stop_after.put_nowait(
+        (0.0, reason or "an engine process failed")))
     app = build_app(settings, client)
+    app.state.http.engine_problem = liveness_check(
+        engine_heartbeats(endpoints.runtime_dir), config.heartbeat_timeout, config.worker_heartbeat_timeout)
+    heartbeat = Heartbeat.attach(endpoints.runtime_dir, "http")
+    beating = asyncio.create_task(beat_forever(heartbeat), name="heartbeat") if heartbeat else None
     server = _Server(uvicorn.Config(
         app, host=config.host, port=config.port, lifespan="on", log_config=None,
         access_log=config.log_level_http == "debug", timeout_graceful_shutdown=FLUSH_TIMEOUT_S,
     ))
-    loop.add_signal_handler(signal.SIGTERM, stop_after.put_nowait, config.drain_timeout)
+    loop.add_signal_handler(signal.SIGTERM, stop_after.put_nowait, (config.drain_timeout, None))
     serving = asyncio.create_task(server.serve(), name="uvicorn")
     while not server.started and not serving.done():
         await asyncio.sleep(STARTUP_POLL_S)
@@ -158,10 +184,12 @@ async def _serve(settings: Any, config: HttpConfig, endpoints: Endpoints) -> Non
         stopping = asyncio.create_task(stop_after.get())
         await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
         if stopping.done():
-            await drain_and_stop(app.state.http, server, stopping.result())
+            await drain_and_stop(app.state.http, server, *stopping.result())
         else:
             stopping.cancel()
     loop.remove_signal_handler(signal.SIGTERM)
+    if beating is not None:
+        beating.cancel()
     await serving  # re-raises a start-up failure (uvicorn exits 1 when it cannot bind)
     if not server.started:
         raise RuntimeError("the HTTP server did not start (lifespan start-up failed: see the log above)")

@@ -17,7 +17,7 @@ from starlette.types import Receive, Scope, Send
 
 from app.http.engine_client import DuplicateRequestId, EngineUnavailable, Submission, delta_error, is_terminal
 from app.http.errors import CLIENT_CLOSED, APIError, ClientGone, bad_request, error_body
-from app.http.state import ServerState
+from app.http.state import RETRY_AFTER_S, ServerState
 from app.protocol import GenerateRequest, TextDelta
 
 log = logging.getLogger(__name__)
@@ -38,10 +38,14 @@ class RequestGroup:
         self._pending = len(requests)
         self._closed = False
         self.size = len(requests)
+        state.check_capacity(self.size)
         state.acquire()
         try:
             for i, req in enumerate(requests):
                 self._subs.append(state.client.submit(req, functools.partial(self._on_delta, i)))
+        except UnicodeEncodeError as exc:  # a lone surrogate the body check did not see
+            self.close()
+            raise bad_request(f"the request holds text that is not valid Unicode: {exc.reason}") from exc
         except DuplicateRequestId as exc:
             self.close()
             raise bad_request(f"invalid value for 'rid': {exc}", param="rid") from exc
@@ -142,7 +146,8 @@ def error_of(delta: TextDelta) -> APIError | None:
     if err is None:
         return None
     status, message = err
-    return APIError(status if 400 <= status < 600 else 500, message)
+    status = status if 400 <= status < 600 else 500
+    return APIError(status, message, headers={"Retry-After": RETRY_AFTER_S} if status == 503 else None)
 
 
 async def collect(group: RequestGroup, outputs: Outputs) -> list[TextDelta]:

@@ -6,6 +6,11 @@ its tokens and its parent's hash, so identical prefixes map to identical block c
 shared by reference count. Unreferenced blocks stay cached until their memory is needed: free
 blocks are reused in least-recently-freed order, and a cached block is evicted (unhashed) only
 when it is taken for new content.
+
+With KV cache events on (an events recorder is given), every full block also carries its event hash
+(64-bit FNV-1a of its tokens and its parent block's event hash, see app/metrics/kv_events.py),
+computed once when the block is registered from the parent's cached value; registrations and
+evictions are reported to the recorder as BlockStored / BlockRemoved.
 """
 
 from __future__ import annotations
@@ -13,6 +18,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from app.metrics.kv_events import block_hash
+
+if TYPE_CHECKING:
+    from app.metrics.kv_events import KVEventRecorder
 
 # A block's identity: (parent block's hash or None, the block's token ids).
 BlockKey = tuple[int | None, tuple[int, ...]]
@@ -24,6 +35,9 @@ class Block:
     ref_count: int = 0
     key: BlockKey | None = None  # set while the block is registered in the prefix cache
     hash: int | None = None
+    # KV-event hash of the block's current content (events on only); kept across eviction while
+    # the block is still referenced, since children registered later chain from it.
+    event_hash: int | None = None
 
 
 class OutOfBlocks(Exception):
@@ -44,6 +58,7 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         on_evict: Callable[[Block], None] | None = None,
+        events: KVEventRecorder | None = None,
     ) -> None:
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block")
@@ -55,6 +70,7 @@ class KVCacheManager:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[BlockKey, int] = {}  # key -> block id
         self._on_evict = on_evict
+        self._events = events
 
     # ------------------------------------------------------------------ queries
 
@@ -118,6 +134,7 @@ class KVCacheManager:
             if block.key is not None:
                 self._evict(block)
             block.ref_count = 1
+            block.event_hash = None  # new content
             out.append(block_id)
         return out
 
@@ -135,17 +152,30 @@ class KVCacheManager:
             if block.ref_count == 0:
                 self._free[block_id] = None
 
-    def register(self, block_id: int, parent_hash: int | None, tokens: Sequence[int]) -> int:
+    def register(
+        self, block_id: int, parent_hash: int | None, tokens: Sequence[int], parent_block: int | None = None
+    ) -> int:
         """Record that a referenced, now full block holds tokens after parent; returns its hash.
 
+        parent_block is the block id before it in the sequence (None for the first block): with
+        KV events on, the block's event hash chains from that block's cached event hash.
         If an identical block is cached already the new one stays private (the next
         request will hit the existing one).
         """
         key, h = chain_hash(parent_hash, tokens)
+        if not self.enable_prefix_caching:
+            return h
         block = self.blocks[block_id]
-        if self.enable_prefix_caching and block.key is None and key not in self._cached:
+        parent_event = None
+        if self._events is not None:
+            parent_event = self.blocks[parent_block].event_hash if parent_block is not None else None
+            block.event_hash = block_hash(parent_event, tokens)
+        if block.key is None and key not in self._cached:
             block.key, block.hash = key, h
             self._cached[key] = block_id
+            if self._events is not None:
+                assert block.event_hash is not None
+                self._events.stored(block.event_hash, parent_event, tokens)
         return h
 
     def flush(self) -> int:
@@ -161,6 +191,8 @@ class KVCacheManager:
         del self._cached[block.key]
         if self._on_evict is not None:
             self._on_evict(block)
+        if self._events is not None and block.event_hash is not None:
+            self._events.removed(block.event_hash)
         block.key, block.hash = None, None
 
     def check_invariants(self) -> None:

@@ -11,9 +11,18 @@ import zmq
 from app import ipc, lifecycle
 from app import protocol as p
 from app.ipc import Endpoints
-from app.scheduler.scheduler import AdmissionError, Scheduler, SchedulerConfig
+from app.metrics.kv_events import KVEventPublisher, KVEventRecorder, parse_kv_events_config
+from app.metrics.request_stats import FinishLogger
+from app.scheduler.rl_control import EngineControl
+from app.scheduler.scheduler import AdmissionError, QueueFull, Scheduler, SchedulerConfig
 
 log = logging.getLogger("tokenspeed.scheduler")
+
+EXPIRY_CHECK_S = 0.1  # how often request timeouts are checked
+WAIT_POLL_MS = int(lifecycle.HEARTBEAT_INTERVAL_S * 1000)  # beat while a long step runs on the worker
+
+MAX_INFLIGHT_STEPS = 2  # overlap depth: the step running on the worker plus the next one
+CONTROL_POLL_MS = 10  # inbox wait while the worker runs a control operation (its reply comes on results)
 
 
 class SchedulerLoop:
@@ -21,6 +30,7 @@ class SchedulerLoop:
 
     def __init__(self, settings, endpoints: Endpoints, ctx: zmq.Context) -> None:
         self.settings = settings
+        self.ctx = ctx
         self.inbox = ipc.bind_pull(ctx, endpoints.inbox("scheduler"))
         self.results = ipc.bind_pull(ctx, endpoints.inbox("scheduler_results"))
         self.to_worker = ipc.connect_push(ctx, endpoints.inbox("worker", 0))
@@ -29,14 +39,24 @@ class SchedulerLoop:
         self.poller.register(self.inbox, zmq.POLLIN)
         self.scheduler: Scheduler | None = None
         self.running = True
+        self.heartbeat = lifecycle.Heartbeat.attach(endpoints.runtime_dir, "scheduler")
+        self._next_expiry = 0.0
         self._decode_steps = 0
         self._log_window = (time.monotonic(), 0)  # (start, generated tokens) for throughput
+        self.engine_control: EngineControl | None = None
+        self.metrics = None  # app.metrics.engine.EngineMetrics with --enable-metrics
+        self.kv_events: KVEventRecorder | None = None
+        self.publisher: KVEventPublisher | None = None
 
     def wait_for_worker(self) -> p.WorkerReady:
         ready = ipc.recv(self.results)
         if not isinstance(ready, p.WorkerReady):
             raise RuntimeError(f"expected WorkerReady from the worker, got {type(ready).__name__}")
         s = self.settings
+        events_config = parse_kv_events_config(s.kv_events_config)
+        if events_config is not None:
+            self.kv_events = KVEventRecorder(ready.block_size)
+            self.publisher = KVEventPublisher(events_config, self.ctx)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_blocks=ready.num_blocks,
@@ -47,31 +67,116 @@ class SchedulerLoop:
                 max_prefill_tokens=s.max_prefill_tokens,
                 enable_prefix_caching=s.enable_prefix_caching,
                 eos_token_ids=tuple(ready.eos_token_ids),
-            )
+                max_queued_requests=s.max_queued_requests,
+                request_timeout=s.request_timeout,
+                ttft_timeout=s.ttft_timeout,
+            ),
+            kv_events=self.kv_events,
         )
+        self._observe_with(self.scheduler)
         return ready
 
+    def _observe_with(self, sched: Scheduler) -> None:
+        """Request stats, metrics and the RL control plane around the scheduler."""
+        s = self.settings
+        sched.on_finish = FinishLogger(s.enable_log_request_stats)
+        sched.track_delays = s.enable_log_request_stats
+        if s.enable_metrics:
+            from app.metrics.engine import EngineMetrics
+
+            self.metrics = EngineMetrics(sched, s.served_model_name)
+        self.engine_control = EngineControl(
+            sched,
+            to_worker=lambda msg: ipc.send(self.to_worker, msg),
+            reply=lambda msg: ipc.send(self.to_tokenizer, msg),
+            emit=self._send_deltas,
+        )
+
+    def _send_deltas(self, deltas: list[p.TokenDelta]) -> None:
+        ipc.send(self.to_tokenizer, p.TokenDeltas(deltas, time.time()))
+
+    def _observe(self) -> None:
+        """Once per loop iteration: gauges and counters, this iteration's KV events, replay requests."""
+        if self.metrics is not None:
+            self.metrics.update()
+        if self.publisher is not None:
+            assert self.kv_events is not None
+            if len(self.kv_events):
+                self.publisher.publish(self.kv_events.take())
+            self.publisher.serve_replay()
+
+    def _poll_control_reply(self) -> None:
+        """While the worker runs a control operation (no step is in flight), take its reply."""
+        control = self.engine_control
+        assert control is not None
+        if control.waiting_for_worker and self.results.poll(0):
+            msg = ipc.recv(self.results)
+            if isinstance(msg, p.ControlReply):
+                control.on_worker_reply(msg)
+            else:
+                log.warning("dropping unexpected %s while waiting for a control reply", type(msg).__name__)
+
     def run(self) -> None:
+        """Keep up to MAX_INFLIGHT_STEPS steps at the worker: step N+1 is planned and sent while
+        step N runs, so scheduling, IPC and detokenization overlap the forward pass."""
+        sched, control = self.scheduler, self.engine_control
+        assert sched is not None and control is not None
+        try:
+            while self.running:
+                lifecycle.beat(self.heartbeat)
+                busy = sched.num_inflight_steps or (control.stepping_allowed and sched.has_work())
+                self._drain_inbox(timeout_ms=CONTROL_POLL_MS if control.waiting_for_worker else 0 if busy else 100)
+                if not self.running:
+                    break
+                self._expire()
+                self._poll_control_reply()
+                control.advance(sched.num_inflight_steps)
+                while control.stepping_allowed and sched.num_inflight_steps < MAX_INFLIGHT_STEPS:
+                    plan = sched.schedule()
+                    if plan is None:
+                        break
+                    ipc.send(self.to_worker, plan)
+                    if self.metrics is not None:
+                        self.metrics.planned(sched.last_step_tokens)
+                if sched.num_inflight_steps:
+                    result = self._wait_result()
+                    if result is None:
+                        break
+                    deltas = sched.process_result(result)
+                    if deltas:
+                        self._send_deltas(deltas)
+                    self._maybe_log(deltas)
+                self._observe()
+        finally:
+            if self.publisher is not None:
+                self.publisher.close()
+
+    def _wait_result(self) -> p.StepResult | None:
+        """The worker's next result, beating the heartbeat while it computes; None once stopping."""
+        while not self.results.poll(WAIT_POLL_MS):
+            lifecycle.beat(self.heartbeat)
+            if not self.running:
+                return None
+        return ipc.recv(self.results)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        if now < self._next_expiry:
+            return
+        self._next_expiry = now + EXPIRY_CHECK_S
         sched = self.scheduler
         assert sched is not None
-        while self.running:
-            timeout = 0 if sched.has_work() else 100
-            for _ in range(1000):  # bounded: a flood of requests cannot stall the engine
-                if not self.poller.poll(timeout):
-                    break
-                self.handle(ipc.recv(self.inbox))
-                timeout = 0
-            if not self.running:
-                break
-            plan = sched.schedule()
-            if plan is None:
-                continue
-            ipc.send(self.to_worker, plan)
-            result = ipc.recv(self.results)
-            deltas = sched.process_result(result)
-            if deltas:
-                ipc.send(self.to_tokenizer, p.TokenDeltas(deltas))
-            self._maybe_log(plan, deltas)
+        deltas = sched.expire(time.time())
+        if deltas:
+            log.warning("%d request(s) timed out: %s", len(deltas), deltas[0].error)
+            self._send_deltas(deltas)
+
+    def _drain_inbox(self, timeout_ms: int) -> None:
+        for _ in range(1000):  # bounded: a flood of requests cannot stall the engine
+            if not self.poller.poll(timeout_ms):
+                return
+            self.handle(ipc.recv(self.inbox))
+            timeout_ms = 0
 
     def handle(self, msg) -> None:
         sched = self.scheduler
@@ -81,6 +186,8 @@ class SchedulerLoop:
                 sched.add_request(msg)
             except AdmissionError as exc:
                 self._reply_error(msg.rid, str(exc), 400)
+            except QueueFull as exc:
+                self._reply_error(msg.rid, str(exc), 503)
         elif isinstance(msg, p.AbortRequest):
             deltas = sched.abort_all(msg.reason) if msg.abort_all else [sched.abort(msg.rid or "", msg.reason)]
             deltas = [d for d in deltas if d is not None]
@@ -89,7 +196,9 @@ class SchedulerLoop:
         elif isinstance(msg, p.FinishRequest):
             sched.finish(msg.rid)
         elif isinstance(msg, p.ControlRequest):
-            ipc.send(self.to_tokenizer, self.control(msg))
+            assert self.engine_control is not None
+            if not self.engine_control.handle(msg):  # weight updates, pause and continue answer later
+                ipc.send(self.to_tokenizer, self.control(msg))
         elif isinstance(msg, p.Shutdown):
             self.running = False
         else:
@@ -102,14 +211,15 @@ class SchedulerLoop:
             n = sched.flush_cache()
             return p.ControlReply(msg.req_id, True, f"Cache flushed ({n} cached blocks dropped).")
         if msg.kind == "get_loads":
-            return p.ControlReply(msg.req_id, True, "", sched.loads())
+            assert self.engine_control is not None
+            return p.ControlReply(msg.req_id, True, "", {**sched.loads(), **self.engine_control.status()})
         return p.ControlReply(msg.req_id, False, f"unknown control operation {msg.kind!r}")
 
     def _reply_error(self, rid: str, message: str, code: int) -> None:
         delta = p.TokenDelta(rid=rid, token_ids=[], finish_reason=p.FINISH_ABORT, error=message, error_code=code)
         ipc.send(self.to_tokenizer, p.TokenDeltas([delta]))
 
-    def _maybe_log(self, plan: p.StepPlan, deltas: list[p.TokenDelta]) -> None:
+    def _maybe_log(self, deltas: list[p.TokenDelta]) -> None:
         interval = self.settings.decode_log_interval
         sched = self.scheduler
         assert sched is not None

@@ -27,6 +27,10 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks
     num_computed: int = 0
+    # Overlap scheduling: work already sent in steps whose results have not come back yet.
+    num_inflight_tokens: int = 0  # tokens being fed
+    num_pending_samples: int = 0  # tokens being sampled (not yet in output_ids)
+    epoch: int = 0  # bumped on preemption: in-flight work of an older epoch is void
     slot: int | None = None
     # The worker sampled output_ids[-1] itself and can feed it as the next decode input.
     worker_has_last_token: bool = False
@@ -36,15 +40,39 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    prefill_done_time: float | None = None  # the prompt was fully computed for the first time
+    # Decode steps delayed by other requests' prefills (--enable-log-request-stats): total seconds,
+    # number of delayed stretches, and the last delayed step (a stretch is consecutive steps).
+    delayed_seconds: float = 0.0
+    delay_count: int = 0
+    last_delayed_step: int = -2
+    # False once its KV mixes weight versions (weights changed while it ran): its blocks then stay
+    # out of the prefix cache. Reset when it is (re)admitted and recomputed from scratch.
+    cacheable: bool = True
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
-    def num_pending(self) -> int:
-        """Tokens not yet fed to the model (1 for a decode step)."""
-        return self.num_tokens - self.num_computed
+    def num_fed(self) -> int:
+        """Tokens fed to the model, in finished or in-flight steps."""
+        return self.num_computed + self.num_inflight_tokens
+
+    @property
+    def num_known(self) -> int:
+        """Prompt + output tokens, counting those still being sampled."""
+        return self.num_tokens + self.num_pending_samples
+
+    @property
+    def num_to_feed(self) -> int:
+        """Tokens not fed yet (1 for a decode step)."""
+        return self.num_known - self.num_fed
+
+    @property
+    def num_promised(self) -> int:
+        """Output tokens generated or being generated."""
+        return len(self.output_ids) + self.num_pending_samples
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         n_prompt = len(self.prompt_ids)

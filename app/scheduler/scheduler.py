@@ -10,6 +10,11 @@ when chunking is off):
    so its output is unchanged and it cannot wait forever.
 3. Then waiting requests in arrival order (FCFS), reusing prefix-cached blocks, while budget,
    --max-num-seqs and free blocks allow. The head of the queue is never skipped.
+Overlap: the scheduler may plan step N+1 before step N's result is back (the process loop keeps
+two steps in flight). A decode fed by a token still being sampled carries no token ids: the
+worker feeds the token it sampled itself. A request that turns out to have finished at step N
+wastes its slot in step N+1 (that result is ignored); length limits are known ahead and never
+over-scheduled.
 No torch here: the scheduler reasons about token ids and block ids only.
 """
 
@@ -18,11 +23,16 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from app import protocol as p
-from app.scheduler.kv_cache import KVCacheManager
+from app.scheduler.kv_cache import KVCacheManager, chain_hash
 from app.scheduler.request import Request, Status
+
+if TYPE_CHECKING:
+    from app.metrics.kv_events import KVEventRecorder
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +47,10 @@ class SchedulerConfig:
     max_prefill_tokens: int
     enable_prefix_caching: bool
     eos_token_ids: tuple[int, ...]
+    # Admission control and timeouts (None: unbounded / off). See expire() and add_request().
+    max_queued_requests: int | None = None
+    request_timeout: float | None = None
+    ttft_timeout: float | None = None
 
     @property
     def chunking(self) -> bool:
@@ -55,25 +69,53 @@ class AdmissionError(ValueError):
     """A request that can never run under this configuration (HTTP 400)."""
 
 
+class QueueFull(Exception):
+    """The scheduler holds --max-num-seqs + --max-queued-requests requests already (HTTP 503)."""
+
+
+@dataclass(slots=True)
+class StepCounters:
+    """What happened since the metrics last took them (see Scheduler.take_counters)."""
+
+    prefix_query_tokens: int = 0  # tokens looked up in the prefix cache at admission
+    prefix_hit_tokens: int = 0  # of those, served from the cache
+    queue_times: list[float] = field(default_factory=list)  # arrival -> first scheduled, seconds
+
+
+# Called when a request ends: (request, finish reason); the request was aborted iff the reason is abort.
+FinishHook = Callable[[Request, str], None]
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, kv_events: KVEventRecorder | None = None) -> None:
         if not config.chunking and config.max_prefill_tokens < config.max_model_len:
             raise ValueError(
                 f"with --chunked-prefill-size -1, --max-prefill-tokens ({config.max_prefill_tokens}) "
                 f"must cover --max-model-len ({config.max_model_len})"
             )
         self.config = config
-        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            config.num_blocks, config.block_size, config.enable_prefix_caching, events=kv_events
+        )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
         self._slots_to_free: list[int] = []  # released in the worker after the next step
         self._by_slot: dict[int, Request] = {}
-        self._inflight: list[tuple[Request, int, bool]] | None = None  # (request, tokens, sample)
+        # Steps sent and not yet processed, oldest first: (request, epoch, tokens, sample) each.
+        self._inflight: deque[list[tuple[Request, int, int, bool]]] = deque()
         self._eos = frozenset(config.eos_token_ids)
         self.step = 0
         self.num_preemptions = 0
+        # Observability and the RL control plane (app/metrics, app/scheduler/rl_control.py).
+        self.admission_open = True  # closed while a weight update drains the engine
+        self.on_finish: FinishHook | None = None
+        self.track_delays = False  # decode delays per request, for the request-stats line
+        self.last_step_tokens = 0
+        self.counters: StepCounters | None = None  # counted only once metrics take them (take_counters)
+        self._step_times: deque[float] = deque()  # when each in-flight step was planned
+        self._last_result_time = 0.0
 
     # ------------------------------------------------------------------ admission
 
@@ -82,6 +124,11 @@ class Scheduler:
         cfg = self.config
         if msg.rid in self.requests:
             raise AdmissionError(f"request id {msg.rid!r} is already in use")
+        if cfg.max_queued_requests is not None and len(self.requests) >= cfg.max_num_seqs + cfg.max_queued_requests:
+            raise QueueFull(
+                f"the server is at capacity: {len(self.requests)} requests are running or queued "
+                f"(--max-num-seqs {cfg.max_num_seqs} + --max-queued-requests {cfg.max_queued_requests}); retry later"
+            )
         n_prompt = len(msg.prompt_ids)
         room = cfg.max_model_len - n_prompt
         if n_prompt == 0 or room <= 0:
@@ -103,13 +150,16 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._slots_to_free)
 
+    @property
+    def num_inflight_steps(self) -> int:
+        return len(self._inflight)
+
     # ------------------------------------------------------------------ planning
 
     def schedule(self) -> p.StepPlan | None:
         """Plan the next step, or None when there is nothing to send to the worker."""
-        assert self._inflight is None, "schedule() called with a step in flight"
         plan = p.StepPlan(step=self.step)
-        inflight: list[tuple[Request, int, bool]] = []
+        inflight: list[tuple[Request, int, int, bool]] = []
         budget = self.config.token_budget
         budget = self._schedule_running(plan, inflight, budget)
         self._schedule_waiting(plan, inflight, budget)
@@ -117,7 +167,9 @@ class Scheduler:
         if not plan.chunks and not plan.free_slots:
             return None
         self._free_slots.extend(plan.free_slots)  # the worker releases them after this step
-        self._inflight = inflight
+        self._inflight.append(inflight)
+        self._step_times.append(time.time())
+        self.last_step_tokens = sum(n for _, _, n, _ in inflight)
         self.step += 1
         return plan
 
@@ -126,8 +178,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_pending, budget)
-            new_blocks = self._grow(req, req.num_computed + n, scheduled)
+            n = min(self._schedulable(req), budget)
+            if n == 0:
+                i += 1
+                continue
+            new_blocks = self._grow(req, req.num_fed + n, scheduled)
             if new_blocks is None:
                 continue  # req itself was preempted: running[i] is now the next request
             self._add_chunk(plan, inflight, req, n, new_blocks)
@@ -135,6 +190,14 @@ class Scheduler:
             budget -= n
             i += 1
         return budget
+
+    def _schedulable(self, req: Request) -> int:
+        """Tokens req could feed now: none if a length limit ends it when in-flight work lands."""
+        if req.num_pending_samples and (
+            req.num_promised >= req.max_new_tokens or req.num_known >= self.config.max_model_len
+        ):
+            return 0
+        return req.num_to_feed
 
     def _grow(self, req: Request, num_tokens: int, scheduled: set[int]) -> list[int] | None:
         """Blocks for req to hold num_tokens, preempting the latest-admitted requests not yet
@@ -152,6 +215,8 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: p.StepPlan, inflight: list, budget: int) -> None:
         cfg = self.config
+        if not self.admission_open:
+            return
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and self._free_slots:
             req = self.waiting[0]
             tokens = req.token_slice(0, req.num_tokens)
@@ -174,7 +239,8 @@ class Scheduler:
             req.status = Status.RUNNING
             req.slot = self._free_slots.pop()
             req.worker_has_last_token = False
-            req.first_scheduled_time = req.first_scheduled_time or time.time()
+            req.cacheable = True  # recomputed from scratch with the current weights
+            self._count_admission(req, n_cached)
             self._by_slot[req.slot] = req
             self.running.append(req)
             n_prompt = len(req.prompt_ids)
@@ -193,12 +259,35 @@ class Scheduler:
             self._add_chunk(plan, inflight, req, n, [])
             budget -= n
 
+    def _count_admission(self, req: Request, n_cached: int) -> None:
+        first = req.first_scheduled_time is None
+        if first:
+            req.first_scheduled_time = time.time()
+        c = self.counters
+        if c is None:
+            return
+        c.prefix_query_tokens += req.num_tokens
+        c.prefix_hit_tokens += n_cached
+        if first:
+            c.queue_times.append(max(req.first_scheduled_time - req.arrival_time, 0.0))
+
+    def take_counters(self) -> StepCounters:
+        """What was counted since the last call (the metrics take it once per loop iteration); the first
+        call starts the counting."""
+        counters, self.counters = self.counters or StepCounters(), StepCounters()
+        return counters
+
     def _add_chunk(self, plan: p.StepPlan, inflight: list, req: Request, n: int, new_blocks: list[int]) -> None:
-        sample = req.num_computed + n == req.num_tokens
-        decode = n == 1 and sample and req.worker_has_last_token
-        tokens = [] if decode else req.token_slice(req.num_computed, req.num_computed + n)
+        fed = req.num_fed
+        sample = fed + n == req.num_known
+        # The worker feeds its own last sample: always for one still in flight, and as an
+        # optimisation for the last output token it sampled in this slot.
+        decode = n == 1 and sample and (req.num_pending_samples > 0 or req.worker_has_last_token)
+        tokens = [] if decode else req.token_slice(fed, fed + n)
         plan.chunks.append(p.SeqChunk(req.slot, tokens, new_blocks, sample))
-        inflight.append((req, n, sample))
+        inflight.append((req, req.epoch, n, sample))
+        req.num_inflight_tokens += n
+        req.num_pending_samples += sample
 
     def _preempt(self, req: Request) -> None:
         """Release req's KV and slot; it resumes later by recomputing prompt + output."""
@@ -213,6 +302,8 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         self.kv.release(req.block_ids)
         req.block_ids, req.block_hashes, req.num_computed = [], [], 0
+        req.num_inflight_tokens = req.num_pending_samples = 0
+        req.epoch += 1  # whatever is still in flight for it is void
         if req.slot is not None:
             self._by_slot.pop(req.slot, None)
             self._slots_to_free.append(req.slot)
@@ -221,30 +312,51 @@ class Scheduler:
     # ------------------------------------------------------------------ results
 
     def process_result(self, result: p.StepResult) -> list[p.TokenDelta]:
-        """Apply a step's sampled tokens; returns the deltas to stream out."""
-        inflight, self._inflight = self._inflight or [], None
+        """Apply the oldest in-flight step's result; returns the deltas to stream out."""
+        inflight = self._inflight.popleft() if self._inflight else []
+        planned = self._step_times.popleft() if self._step_times else 0.0
+        live = [(req, n, sample) for req, epoch, n, sample in inflight if req.epoch == epoch]
         now = time.time()
+        if self.track_delays:
+            self._note_delays(live, result.step, now - max(planned, self._last_result_time))
+        self._last_result_time = now
         deltas: list[p.TokenDelta] = []
         if result.error is not None:
-            for req, _, _ in inflight:
+            for req, _, _ in live:
                 if req.status is Status.RUNNING:
                     deltas.append(self._fail(req, f"engine step failed: {result.error}", 500))
             return deltas
-        for req, n, _ in inflight:
-            if req.status is Status.RUNNING:  # not finished or aborted while in flight
-                req.num_computed += n
-                self._register_full_blocks(req)
+        for req, n, sample in live:
+            req.num_computed += n
+            req.num_inflight_tokens -= n
+            req.num_pending_samples -= sample
+            if req.prefill_done_time is None and req.num_computed >= len(req.prompt_ids):
+                req.prefill_done_time = now
+            self._register_full_blocks(req)
         bad = set(result.bad_slots)
+        expected = {req.slot: req for req, _, sample in live if sample}
         logprobs = result.logprobs or [None] * len(result.slots)
         for slot, token, lp in zip(result.slots, result.token_ids, logprobs, strict=True):
-            req = self._by_slot.get(slot)
+            req = expected.get(slot)
             if req is None or req.status is not Status.RUNNING:
-                continue
+                continue  # finished, aborted or preempted since the step was planned
             if slot in bad:
                 deltas.append(self._fail(req, "the model produced NaN or inf logits", 500))
                 continue
             deltas.append(self._append_token(req, token, lp, now))
         return deltas
+
+    @staticmethod
+    def _note_delays(live: list[tuple[Request, int, bool]], step: int, elapsed: float) -> None:
+        """A step that prefills delays the requests decoding in it: their decode lost its duration."""
+        decoding = [req for req, n, _ in live if n == 1 and req.first_token_time is not None]
+        if len(decoding) == len(live):
+            return
+        for req in decoding:
+            if req.last_delayed_step != step - 1:
+                req.delay_count += 1  # a new stretch of delayed steps
+            req.last_delayed_step = step
+            req.delayed_seconds += max(elapsed, 0.0)
 
     def _append_token(self, req: Request, token: int, lp: p.TokenLogprobs | None, now: float) -> p.TokenDelta:
         req.output_ids.append(token)
@@ -254,7 +366,7 @@ class Scheduler:
         delta = self._delta(req, [token], [lp] if lp is not None else [])
         if reason is not None:
             delta.finish_reason, delta.matched_stop = reason, matched
-            self._finish(req, now)
+            self._finish(req, now, reason)
         return delta
 
     def _stop_reason(self, req: Request, token: int) -> tuple[str | None, int | None]:
@@ -273,7 +385,11 @@ class Scheduler:
             i = len(req.block_hashes)
             parent = req.block_hashes[-1] if req.block_hashes else None
             tokens = req.token_slice(i * bs, (i + 1) * bs)
-            req.block_hashes.append(self.kv.register(req.block_ids[i], parent, tokens))
+            if req.cacheable:
+                parent_block = req.block_ids[i - 1] if i else None
+                req.block_hashes.append(self.kv.register(req.block_ids[i], parent, tokens, parent_block))
+            else:  # its KV mixes weight versions: keep it out of the prefix cache
+                req.block_hashes.append(chain_hash(parent, tokens)[1])
 
     def _delta(self, req: Request, tokens: list[int], logprobs: list) -> p.TokenDelta:
         return p.TokenDelta(
@@ -287,7 +403,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ endings
 
-    def _finish(self, req: Request, now: float | None = None) -> None:
+    def _finish(self, req: Request, now: float | None = None, reason: str = p.FINISH_ABORT) -> None:
         if req.status is Status.RUNNING:
             self.running.remove(req)
         elif req.status is Status.WAITING:
@@ -296,6 +412,8 @@ class Scheduler:
         req.status = Status.FINISHED
         req.finish_time = now or time.time()
         self.requests.pop(req.rid, None)
+        if self.on_finish is not None:
+            self.on_finish(req, reason)
 
     def _fail(self, req: Request, message: str, code: int) -> p.TokenDelta:
         delta = self._delta(req, [], [])
@@ -313,6 +431,24 @@ class Scheduler:
         self._finish(req)
         return delta
 
+    def expire(self, now: float) -> list[p.TokenDelta]:
+        """Fail (504) every request past --request-timeout since its arrival, or past --ttft-timeout
+        without a first token; their KV blocks are freed at once."""
+        cfg = self.config
+        if cfg.request_timeout is None and cfg.ttft_timeout is None:
+            return []
+        deltas = []
+        for req in list(self.requests.values()):
+            age = now - req.arrival_time
+            if cfg.request_timeout is not None and age > cfg.request_timeout:
+                message = f"the request timed out after {age:.1f} s (--request-timeout {cfg.request_timeout:g})"
+            elif cfg.ttft_timeout is not None and req.first_token_time is None and age > cfg.ttft_timeout:
+                message = f"no first token after {age:.1f} s (--ttft-timeout {cfg.ttft_timeout:g}): the server is overloaded"
+            else:
+                continue
+            deltas.append(self._fail(req, message, 504))
+        return deltas
+
     def abort_all(self, reason: str = "aborted") -> list[p.TokenDelta]:
         return [d for rid in list(self.requests) if (d := self.abort(rid, reason)) is not None]
 
@@ -320,10 +456,24 @@ class Scheduler:
         """The tokenizer finished rid (stop string): free it without another delta."""
         req = self.requests.get(rid)
         if req is not None:
-            self._finish(req)
+            self._finish(req, reason=p.FINISH_STOP)
 
     def flush_cache(self) -> int:
         return self.kv.flush()
+
+    def retract_all(self) -> int:
+        """Move every running request back to the queue, its KV freed (it is recomputed later, its
+        output unchanged; work still in flight for it is void); returns how many."""
+        count = len(self.running)
+        while self.running:
+            self._preempt(self.running[-1])
+        return count
+
+    def mark_running_stale(self) -> None:
+        """The weights changed under the running requests: their KV mixes versions, so nothing more
+        of theirs enters the prefix cache (until a preemption recomputes them)."""
+        for req in self.running:
+            req.cacheable = False
 
     def loads(self) -> dict:
         return {

@@ -8,8 +8,9 @@ ControlRequest from http; TokenDeltas and ControlReply from the scheduler. Outpu
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from app.protocol import (
     FINISH_ABORT,
@@ -27,6 +28,9 @@ from app.protocol import (
 )
 from app.tokenizer.output import RequestOutput
 from app.tokenizer.prompt import PromptError, build_prompt, validate_prompt
+
+if TYPE_CHECKING:
+    from app.metrics.frontend import FrontendMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +51,16 @@ class TokenizerCore:
         *,
         chat_template: str | None = None,
         stream_interval: int = 1,
+        metrics: FrontendMetrics | None = None,
     ) -> None:
-        """tokenizer None means --skip-tokenizer-init: token-id prompts only, no text out."""
+        """tokenizer None means --skip-tokenizer-init: token-id prompts only, no text out.
+        metrics: per-request metrics; without it they start with the engine when EngineReady says
+        metrics are on (the supervisor puts enable_metrics and served_model_name in its info)."""
         self._tokenizer = tokenizer
         self._chat_template = chat_template
         self._stream_interval = stream_interval
+        self._metrics = metrics
+        self._sent_at = 0.0
         self._engine: dict[str, Any] | None = None
         self._requests: dict[str, RequestOutput] = {}
         self._handlers = {
@@ -87,6 +96,10 @@ class TokenizerCore:
             logger.error("tokenizer: EngineReady lacks %s; still not serving", ", ".join(missing))
             return []
         self._engine = info
+        if self._metrics is None and info.get("enable_metrics"):
+            from app.metrics.frontend import FrontendMetrics
+
+            self._metrics = FrontendMetrics(str(info.get("served_model_name", "")))
         logger.info("tokenizer: engine ready (max_model_len=%d, vocab_size=%d)",
                     info["max_model_len"], info["vocab_size"])
         # http learns readiness from us, behind this message on the same socket: it can never
@@ -109,6 +122,8 @@ class TokenizerCore:
             logger.exception("tokenizer: failed to prepare request %s", req.rid)
             return [_error(req.rid, f"failed to tokenize the request: {exc}", 500)]
         self._requests[req.rid] = state
+        if self._metrics is not None:
+            self._metrics.admitted(req.rid, req.arrival_time, len(prompt))
         return [Outgoing(SCHEDULER, TokenizedRequest(req.rid, prompt, req.sampling, req.arrival_time))]
 
     def _prompt_of(self, req: GenerateRequest) -> list[int]:
@@ -134,6 +149,9 @@ class TokenizerCore:
     def _on_token_deltas(self, msg: TokenDeltas) -> list[Outgoing]:
         text_deltas: list[TextDelta] = []
         out: list[Outgoing] = []
+        self._sent_at = msg.time or time.time()  # when the scheduler produced these tokens
+        if self._metrics is not None:
+            self._metrics.tokens(msg.deltas, self._sent_at)
         for delta in msg.deltas:
             state = self._requests.get(delta.rid)
             if state is None:  # finished here on a stop string, or never admitted
@@ -149,6 +167,7 @@ class TokenizerCore:
         except Exception as exc:  # a bad delta fails its request, not the process
             logger.exception("tokenizer: failed to detokenize request %s", delta.rid)
             del self._requests[delta.rid]
+            self._finished(delta.rid, None)
             if delta.finish_reason is None:
                 out.append(Outgoing(SCHEDULER, AbortRequest(rid=delta.rid, reason="detokenization failed")))
             return [_error_delta(delta.rid, f"failed to detokenize the output: {exc}", 500)]
@@ -156,7 +175,13 @@ class TokenizerCore:
             out.append(Outgoing(SCHEDULER, FinishRequest(delta.rid)))
         if result.finished:
             del self._requests[delta.rid]
+            final = result.text_delta
+            self._finished(delta.rid, final.finish_reason if final is not None and final.error is None else None)
         return [result.text_delta] if result.text_delta is not None else []
+
+    def _finished(self, rid: str, reason: str | None) -> None:
+        if self._metrics is not None:
+            self._metrics.finished(rid, reason, self._sent_at)
 
 
 def _error_delta(rid: str, message: str, code: int) -> TextDelta:

@@ -46,7 +46,7 @@ def run_tokenizer(settings: Any, endpoints: Endpoints) -> None:
         sockets = [inbox, *outs.values(), supervisor]
         core, ready_info = _build_core(settings)
         ipc.send(supervisor, ProcessReady(name="tokenizer", pid=os.getpid(), info=ready_info))
-        _serve(core, inbox, outs)
+        _serve(core, inbox, outs, lifecycle.Heartbeat.attach(endpoints.runtime_dir, "tokenizer"))
     finally:
         for sock in sockets:
             sock.close()
@@ -64,15 +64,29 @@ def _build_core(settings: Any) -> tuple[TokenizerCore, dict[str, Any]]:
         tokenizer = load_tokenizer_from_settings(settings)
         eos = eos_token_ids(tokenizer, tokenizer_source(settings), revision=settings.revision,
                             download_dir=settings.download_dir)
-        info = {"vocab_size": vocab_size(tokenizer), "eos_token_ids": eos}
+        info = {"vocab_size": vocab_size(tokenizer), "eos_token_ids": eos,
+                "max_token_chars": max_token_chars(tokenizer)}
     core = TokenizerCore(tokenizer, chat_template=chat_template, stream_interval=settings.stream_interval)
     return core, info
 
 
-def _serve(core: TokenizerCore, inbox: zmq.Socket, outs: dict[str, zmq.Socket]) -> None:
+def max_token_chars(tokenizer: Any) -> int:
+    """An upper bound on the input characters one token stands for (http refuses a text prompt longer
+    than max_model_len times this before tokenizing it): the longest vocabulary string (byte-level
+    tokens spell one character per byte), times 4 where a normalizer may compose characters (NFC
+    composes at most 4 into 1)."""
+    longest = max((len(token) for token in tokenizer.get_vocab()), default=1)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    composes = backend is not None and backend.normalizer is not None
+    return longest * (4 if composes else 1)
+
+
+def _serve(core: TokenizerCore, inbox: zmq.Socket, outs: dict[str, zmq.Socket],
+           heartbeat: lifecycle.Heartbeat | None = None) -> None:
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     while True:
+        lifecycle.beat(heartbeat)
         if not poller.poll(POLL_MS):
             continue
         try:

@@ -8,6 +8,7 @@ id in [0, num_blocks) is usable: the scheduler owns the allocation.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,11 +30,25 @@ class KVCacheSpec:
 
 
 class KVCache:
-    def __init__(self, spec: KVCacheSpec, num_blocks: int, block_size: int, device: torch.device) -> None:
+    """k_scales / v_scales (per layer) apply to an FP8 cache (spec.dtype float8_e4m3fn): a value x is
+    stored as x / scale and read back as stored * scale (app.worker.quantization.kv). Unquantized
+    caches keep 1.0."""
+
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        k_scales: Sequence[float] | None = None,
+        v_scales: Sequence[float] | None = None,
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
                 f"KV cache needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}"
             )
+        self.k_scales = _layer_scales(k_scales, spec)
+        self.v_scales = _layer_scales(v_scales, spec)
         self.spec = spec
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -50,6 +65,16 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return self.num_tokens * self.spec.bytes_per_token
+
+
+def _layer_scales(scales: Sequence[float] | None, spec: KVCacheSpec) -> tuple[float, ...]:
+    if scales is None:
+        return (1.0,) * spec.num_layers
+    if len(scales) != spec.num_layers:
+        raise ValueError(f"{len(scales)} KV scales given for {spec.num_layers} layers")
+    if spec.dtype != torch.float8_e4m3fn and any(s != 1.0 for s in scales):
+        raise ValueError(f"KV scales other than 1.0 need an FP8 cache, not {spec.dtype}")
+    return tuple(float(s) for s in scales)
 
 
 def format_bytes(n: int) -> str:

@@ -3,6 +3,17 @@ keeps every sequence's block table and length on the device (updated from the pl
 executes one StepPlan at a time: register new sequences, run the flat varlen forward over the
 step's chunks, sample the rows that ask for it, release finished slots.
 
+A step runs in two halves so that the worker can queue step N+1 before it reads step N's tokens
+(app/worker/process.py): launch() queues all of the step's device work, the sampled tokens' update
+of the slots' last_token included, and starts a non-blocking copy of the results to the host;
+finish() waits for that copy and builds the StepResult. launch() uploads through page-locked
+memory and does not wait for the device, with two exceptions: a sampled row with top_p but no top_k
+(sampling/truncation.py), and eager (prefill or mixed) steps, whose attention batch and plan are
+still built with blocking uploads (attention/base.py build_attention_batch, the backends' plan());
+CUDA-graph decode steps have none. Device tensors are written in stream order, so a later launch
+may rewrite a slot's rows (released and re-registered) while an earlier step still runs; what
+finish() needs from the host side is captured in the PendingStep.
+
 A plan is validated in full before anything changes, so a refused plan leaves no trace; releasing
 a slot that holds nothing is a no-op (after a failed step the scheduler frees its sequences).
 """
@@ -15,10 +26,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
-from app.protocol import NewSeq, SamplingParams, SeqChunk, StepPlan, StepResult, WorkerReady
-from app.worker.attention import build_attention_batch, make_attention_backend
+from app.protocol import NewSeq, SamplingParams, SeqChunk, StepPlan, StepResult, TokenLogprobs, WorkerReady
+from app.worker.attention import (
+    backend_class,
+    build_attention_batch,
+    make_attention_backend,
+    resolve_attention_backend,
+)
+from app.worker.cuda_graphs import DecodeGraphs, PlanFence, capture_sizes
 from app.worker.kv_cache import (
     GIB,
     KVCache,
@@ -36,13 +54,23 @@ from app.worker.loader import (
     resolve_model_path,
 )
 from app.worker.models import DenseCausalLM, model_class_for
-from app.worker.sampling import make_sampler
+from app.worker.quantization import (
+    Fp8LinearMethod,
+    fp8_kv_backend,
+    resolve_kv_cache_quant,
+    resolve_quantization,
+)
+from app.worker.sampling import SamplerOutput, make_sampler
+from app.worker.sampling.logprobs import DeviceLogprobs
+from app.worker.sampling.transfer import upload
 
 logger = logging.getLogger(__name__)
 
 # Headroom for what the profile cannot see: the caching allocator fragments further as step shapes vary
 # (measured: ~0.7 GiB beyond the profiled peak for Llama-3.1-8B shapes on an H200).
 CUDA_RESERVE_BYTES = 1 << 30
+# Per-graph bookkeeping the graph-memory profile cannot see (graph objects, small per-size buffers).
+GRAPH_OVERHEAD_BYTES = 64 << 20
 
 
 class PlanError(ValueError):
@@ -75,15 +103,15 @@ class SlotState:
             cols += range(first, first + len(ids))
             vals += ids
         if vals:
-            index = (torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device))
-            self.block_tables.index_put_(index, torch.tensor(vals, dtype=torch.int32, device=self.device))
+            dev = upload([rows, cols, vals], torch.int64, self.device)
+            self.block_tables.index_put_((dev[0], dev[1]), dev[2].to(torch.int32))
 
     def set_lengths(self, slots: list[int], lengths: list[int]) -> None:
         for slot, length in zip(slots, lengths, strict=True):
             self.seq_len[slot] = length
         if slots:
-            index = torch.tensor(slots, device=self.device)
-            self.seq_lens.index_copy_(0, index, torch.tensor(lengths, dtype=torch.int32, device=self.device))
+            dev = upload([slots, lengths], torch.int64, self.device)
+            self.seq_lens.index_copy_(0, dev[0], dev[1].to(torch.int32))
 
     def release(self, slot: int) -> None:
         self.active[slot] = self.has_token[slot] = False
@@ -104,6 +132,23 @@ class _Step:
     sample_slots: list[int] = field(default_factory=list)
 
 
+@dataclass
+class PendingStep:
+    """A launched step: its device work is queued and its results are being copied to the host.
+    It holds all that finish() reads, so later launches may change the runner's state freely."""
+
+    step: int
+    slots: list[int] = field(default_factory=list)  # the slots that sampled, in row order
+    readback: torch.Tensor | None = None  # host int64 [sampled ids, bad-row flags]; None: none sampled
+    logprobs: DeviceLogprobs | None = None
+    logprobs_host: torch.Tensor | None = None  # host copy of logprobs.packed
+    copied: torch.cuda.Event | None = None  # recorded after the copies (CUDA); None: already on the host
+
+    def ready(self) -> bool:
+        """Whether finish() would return without waiting for the device."""
+        return self.copied is None or self.copied.query()
+
+
 class ModelRunner:
     def __init__(self, settings: Any, device: torch.device, rank: int = 0) -> None:
         self.settings = settings
@@ -111,6 +156,8 @@ class ModelRunner:
         self.rank = rank
         started = time.perf_counter()
         if self.device.type == "cuda":
+            if self.device.index is None:  # "cuda": the current device, named (set_device needs an index)
+                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         model_dir = resolve_model_path(
             settings.model,
@@ -121,6 +168,15 @@ class ModelRunner:
         )
         self.config = load_hf_config(model_dir, settings.hf_overrides, settings.trust_remote_code)
         self.dtype = resolve_dtype(settings.dtype, self.config, self.device)
+        # FP8 weights and KV cache (getattr: the GPU tests' plain settings may leave these out).
+        self.quant_scheme = resolve_quantization(getattr(settings, "quantization", None), self.config)
+        self.kv_quant = resolve_kv_cache_quant(
+            getattr(settings, "kv_cache_dtype", "auto"),
+            getattr(settings, "kv_cache_quant_method", "none"),
+            getattr(settings, "quantization_param_path", None),
+            int(self.config.num_hidden_layers),
+        )
+        self.kv_dtype = self.kv_quant.storage_dtype(self.dtype)
         self.max_model_len = resolve_max_model_len(settings.max_model_len, self.config)
         self.block_size = _positive("block_size", settings.block_size)
         self.max_num_seqs = _positive("max_num_seqs", settings.max_num_seqs)
@@ -136,24 +192,54 @@ class ModelRunner:
             self.max_num_seqs,
             seed=settings.seed,
         )
-        self.pool = self._size_pool()
-        self.kv_cache = KVCache(
-            self.model.kv_cache_spec(self.dtype), self.pool.num_blocks, self.block_size, self.device
+        self.attention_backend_name = resolve_attention_backend(
+            settings.attention_backend, self.device, self.dtype, self.model.attention_spec.head_dim
         )
+        if self.kv_quant.quantized and settings.attention_backend is None:
+            self.attention_backend_name = fp8_kv_backend(
+                self.attention_backend_name, backend_class(self.attention_backend_name)
+            )
+        self.graph_sizes = self._graph_sizes()
+        self.graph_reserve_bytes = 0
+        pool_started = time.perf_counter()
+        self.pool = self._size_pool()
+        # One block beyond the scheduler's pool: the scratch block that CUDA-graph pad rows write to.
+        self.scratch_block = self.pool.num_blocks
+        self.kv_cache = KVCache(
+            self.model.kv_cache_spec(self.kv_dtype),
+            self.pool.num_blocks + 1,
+            self.block_size,
+            self.device,
+            self.kv_quant.k_scales,
+            self.kv_quant.v_scales,
+        )
+        kv_pool_seconds = time.perf_counter() - pool_started
         self.attention = make_attention_backend(
-            settings.attention_backend, self.kv_cache, self.model.attention_spec
+            self.attention_backend_name, self.kv_cache, self.model.attention_spec
         )
         self.slots = SlotState(
             self.max_num_seqs, math.ceil(self.max_model_len / self.block_size), self.device
         )
+        self.graphs = self._capture_graphs()
+        self.plan_fence = PlanFence(self.device)  # eager steps' attention plans (graphs keep their own)
+        # Start-up time by phase, in seconds (tokenspeed:startup_time_seconds); warmup() adds its own.
+        self.startup_phases = {
+            "weights": self.load_seconds,
+            "kv_pool": kv_pool_seconds,
+            "graphs": self.graphs.capture_seconds if self.graphs is not None else 0.0,
+        }
         logger.info(
-            "KV pool: %d tokens (%d blocks of %d, %.2f GiB); max concurrency at max_model_len=%d: %.2fx",
+            "start-up: weights %.2f GiB, CUDA graphs %.2f GiB, KV pool %d tokens (%d blocks of %d, %.2f GiB); "
+            "max concurrency at max_model_len=%d: %.2fx; attention backend %s",
+            self.weights_bytes / GIB,
+            (self.graphs.memory_bytes if self.graphs else 0) / GIB,
             self.pool.tokens,
             self.pool.num_blocks,
             self.block_size,
             self.kv_cache.nbytes / GIB,
             self.max_model_len,
             self.pool.max_concurrency,
+            self.attention_backend_name,
         )
 
     # ------------------------------------------------------------------ start-up
@@ -161,23 +247,26 @@ class ModelRunner:
     def _build_model(self, model_dir: Any) -> DenseCausalLM:
         cls = model_class_for(self.config)
         with torch.device(self.device):
-            model = cls(self.config, self.dtype, self.max_model_len)
+            quant = Fp8LinearMethod(self.quant_scheme) if self.quant_scheme is not None else None
+            model = cls(self.config, self.dtype, self.max_model_len, quant=quant)
         model.to(self.device)  # the RoPE tables are built on the CPU
         fmt = load_weights(model, model_dir, self.settings.load_format)
         model.eval()
         self.weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         logger.info(
-            "loaded %s (%s weights, %s, %.3f GB) on %s",
+            "loaded %s (%s weights, %s, %.3f GB) on %s; quantization: %s; KV cache: %s",
             cls.__name__,
             fmt,
             str(self.dtype).removeprefix("torch."),
             self.weights_bytes / 1e9,
             self.device,
+            self.quant_scheme.describe() if self.quant_scheme is not None else "none",
+            self.kv_quant.describe(),
         )
         return model
 
     def _size_pool(self) -> PoolPlan:
-        bytes_per_token = self.model.kv_cache_spec(self.dtype).bytes_per_token
+        bytes_per_token = self.model.kv_cache_spec(self.kv_dtype).bytes_per_token
         max_total = self.settings.max_total_tokens
         if self.device.type == "cuda":
             tokens, why = self._cuda_pool_tokens(bytes_per_token)
@@ -213,23 +302,20 @@ class ModelRunner:
             torch.cuda.max_memory_reserved(dev) - static_reserved,
         )
         peak -= profile_kv
+        self.graph_reserve_bytes = self._profile_graph_bytes()
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(dev)
         non_torch = max(total - free - torch.cuda.memory_reserved(dev), 0)
         util = self.settings.gpu_memory_utilization
-        kv_bytes = cuda_pool_bytes(total, util, static, peak, non_torch, CUDA_RESERVE_BYTES)
-        logger.info(
-            "memory: total %.2f GiB x %.2f; weights+state %.2f GiB, activation peak %.2f GiB, "
-            "outside torch %.2f GiB, reserve %.2f GiB -> KV %.2f GiB",
-            total / GIB,
-            util,
-            static / GIB,
-            peak / GIB,
-            non_torch / GIB,
-            CUDA_RESERVE_BYTES / GIB,
-            kv_bytes / GIB,
+        graphs = self.graph_reserve_bytes
+        kv_bytes = cuda_pool_bytes(total, util, static, peak + graphs, non_torch, CUDA_RESERVE_BYTES)
+        summary = (
+            f"total {total / GIB:.2f} GiB x {util}; weights+state {static / GIB:.2f} GiB, activation peak "
+            f"{peak / GIB:.2f} GiB, CUDA graphs {graphs / GIB:.2f} GiB, outside torch {non_torch / GIB:.2f} GiB, "
+            f"reserve {CUDA_RESERVE_BYTES / GIB:.2f} GiB"
         )
-        return max(kv_bytes, 0) // bytes_per_token, f"--gpu-memory-utilization {util}"
+        logger.info("memory: %s -> KV %.2f GiB", summary, kv_bytes / GIB)
+        return max(kv_bytes, 0) // bytes_per_token, f"--gpu-memory-utilization {util}: {summary}"
 
     def _profile_tokens(self) -> int:
         chunk = self.settings.chunked_prefill_size
@@ -248,8 +334,8 @@ class ModelRunner:
         ]
         seq_lens = [self.max_model_len] * len(query_lens)
         num_blocks = math.ceil(self.max_model_len / self.block_size)
-        cache = KVCache(self.model.kv_cache_spec(self.dtype), num_blocks, self.block_size, self.device)
-        backend = make_attention_backend(self.settings.attention_backend, cache, self.model.attention_spec)
+        cache = KVCache(self.model.kv_cache_spec(self.kv_dtype), num_blocks, self.block_size, self.device)
+        backend = make_attention_backend(self.attention_backend_name, cache, self.model.attention_spec)
         row = torch.arange(num_blocks, dtype=torch.int32, device=self.device)
         table = row.repeat(len(query_lens), 1)
         slots = list(range(len(query_lens)))
@@ -267,6 +353,77 @@ class ModelRunner:
             for slot in slots:
                 self.sampler.remove_seq(slot)
         return cache.nbytes
+
+    # ------------------------------------------------------------------ CUDA graphs
+
+    def _graph_sizes(self) -> list[int]:
+        """Decode batch sizes to capture; none on the CPU, with --enforce-eager, or with a backend that
+        cannot be captured (torch)."""
+        s = self.settings
+        if self.device.type != "cuda" or getattr(s, "enforce_eager", False):
+            return []
+        if not backend_class(self.attention_backend_name).supports_cuda_graphs:
+            logger.info("CUDA graphs off: the %s attention backend runs eagerly", self.attention_backend_name)
+            return []
+        return capture_sizes(
+            getattr(s, "cudagraph_capture_sizes", None),
+            getattr(s, "max_cudagraph_capture_size", None),
+            self.max_num_seqs,
+        )
+
+    def _profile_graph_bytes(self) -> int:
+        """Memory the CUDA graphs will take, measured before the pool is sized (they are captured after
+        it, over the real KV cache): the attention backend's own buffers, one eager decode step of the
+        largest capture size at max_model_len context (the graphs share one pool, largest captured
+        first, so it holds about one such step), the static logits buffer and a per-graph allowance."""
+        if not self.graph_sizes:
+            return 0
+        dev, size = self.device, max(self.graph_sizes)
+        num_blocks = math.ceil(self.max_model_len / self.block_size)
+        cache = KVCache(self.model.kv_cache_spec(self.kv_dtype), num_blocks, self.block_size, dev)
+        torch.cuda.synchronize(dev)
+        before = torch.cuda.memory_allocated(dev)
+        backend = make_attention_backend(self.attention_backend_name, cache, self.model.attention_spec)
+        backend_bytes = torch.cuda.memory_allocated(dev) - before
+        table = torch.arange(num_blocks, dtype=torch.int32, device=dev).repeat(size, 1)
+        batch = build_attention_batch(table, [1] * size, [self.max_model_len] * size, self.block_size)
+        input_ids = torch.zeros(size, dtype=torch.int64, device=dev)
+        torch.cuda.synchronize(dev)
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        with torch.no_grad():
+            self.model.compute_logits(self.model(input_ids, batch.positions, backend.plan(batch)))
+        torch.cuda.synchronize(dev)
+        step_bytes = torch.cuda.max_memory_allocated(dev) - base
+        logits_bytes = size * self.vocab_size * 4
+        return backend_bytes + step_bytes + logits_bytes + GRAPH_OVERHEAD_BYTES
+
+    def _capture_graphs(self) -> DecodeGraphs | None:
+        if not self.graph_sizes:
+            return None
+        graphs = DecodeGraphs(
+            self.model,
+            self.attention,
+            self.graph_sizes,
+            self.slots.max_blocks,
+            self.block_size,
+            self.scratch_block,
+            self.vocab_size,
+            self.device,
+        )
+        graphs.capture()
+        logger.info(
+            "CUDA graphs: %d decode sizes (%d..%d) captured in %.1f s, using %.2f GiB (reserved %.2f GiB)",
+            len(graphs.sizes),
+            graphs.sizes[0],
+            graphs.max_size,
+            graphs.capture_seconds,
+            graphs.memory_bytes / GIB,
+            self.graph_reserve_bytes / GIB,
+        )
+        if graphs.memory_bytes > self.graph_reserve_bytes:
+            logger.warning("CUDA graphs use more memory than was reserved for them before sizing the KV pool")
+        return graphs
 
     def _profile_params(self) -> SamplingParams:
         """The sampler's most expensive path it accepts (sorting, penalties, top logprobs)."""
@@ -302,12 +459,18 @@ class ModelRunner:
                 "device": str(self.device),
                 "architecture": type(self.model).__name__,
                 "attention_backend": self.attention.name,
+                "cuda_graph_sizes": list(self.graphs.sizes) if self.graphs is not None else [],
+                "cuda_graph_gb": round(self.graphs.memory_bytes / 1e9, 3) if self.graphs is not None else 0.0,
+                "quantization": self.quant_scheme.describe() if self.quant_scheme is not None else "none",
+                "kv_cache_dtype": self.kv_quant.describe(),
+                "startup_phases": {phase: round(s, 3) for phase, s in self.startup_phases.items()},
             },
         )
 
     def warmup(self) -> None:
         """A tiny real prefill + decode through slot 0, sampled greedily (no RNG draw); the slot
         is released afterwards, so nothing of it is visible to the first real step."""
+        started = time.perf_counter()
         prompt_len = max(1, min(8, self.max_model_len - 1))
         steps = 2 if prompt_len < self.max_model_len else 1
         num_blocks = math.ceil((prompt_len + steps - 1) / self.block_size)
@@ -328,18 +491,45 @@ class ModelRunner:
             self.execute(plan)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        self.startup_phases["warmup"] = time.perf_counter() - started
 
     # ------------------------------------------------------------------ steps
 
     def execute(self, plan: StepPlan) -> StepResult:
+        """One step, start to end."""
+        return self.finish(self.launch(plan))
+
+    def launch(self, plan: StepPlan) -> PendingStep:
+        """Queue one step's device work (see the module docstring); plan.free_slots are released after it."""
         self._validate(plan)
         with torch.no_grad():
             for seq in plan.new_seqs:
                 self._register(seq)
-            result = self._run_chunks(plan) if plan.chunks else StepResult(step=plan.step)
+            pending = self._run_chunks(plan) if plan.chunks else PendingStep(step=plan.step)
         for slot in plan.free_slots:
             self._release(slot)
-        return result
+        return pending
+
+    def finish(self, pending: PendingStep) -> StepResult:
+        """Wait for a launched step's results and build its StepResult."""
+        if pending.readback is None:
+            return StepResult(step=pending.step)
+        if pending.copied is not None:
+            pending.copied.synchronize()
+        n = len(pending.slots)
+        host = pending.readback.numpy()
+        bad_rows = np.flatnonzero(host[n:]).tolist()
+        logprobs: list[TokenLogprobs | None] = []
+        if pending.logprobs is not None and pending.logprobs_host is not None:
+            rows = pending.logprobs.unpack(pending.logprobs_host.numpy(), n, bad_rows)
+            logprobs = rows if any(lp is not None for lp in rows) else []
+        return StepResult(
+            step=pending.step,
+            slots=list(pending.slots),
+            token_ids=host[:n].tolist(),
+            logprobs=logprobs,
+            bad_slots=[pending.slots[i] for i in bad_rows],
+        )
 
     def _register(self, seq: NewSeq) -> None:
         self.sampler.add_seq(seq.slot, seq.rid, seq.sampling, list(seq.prompt_ids), list(seq.output_ids))
@@ -374,7 +564,7 @@ class ModelRunner:
                 step.sample_slots.append(chunk.slot)
         return step
 
-    def _run_chunks(self, plan: StepPlan) -> StepResult:
+    def _run_chunks(self, plan: StepPlan) -> PendingStep:
         s = self.slots
         appends = [
             (c.slot, s.num_blocks[c.slot], list(c.append_block_ids))
@@ -385,13 +575,52 @@ class ModelRunner:
         for slot, first, ids in appends:
             s.num_blocks[slot] = first + len(ids)
         step = self._layout(plan.chunks)
-        dev = self.device
-        input_ids = torch.tensor(step.token_ids, dtype=torch.int64, device=dev)
+        if self._graphable(step):
+            for slot, length in zip(step.slots, step.seq_lens, strict=True):
+                s.seq_len[slot] = length  # the graph's own buffers get the lengths on the device
+            logits = self.graphs.run(step.slots, step.seq_lens, s.block_tables, s.last_token)
+        else:
+            logits = self._eager_logits(step)
+        for chunk in plan.chunks:  # fed tokens supersede a sampled one; sampling below sets it again
+            s.has_token[chunk.slot] = False
+        if logits is None:
+            return PendingStep(step=plan.step)
+        out = self.sampler.sample(logits, step.sample_slots)
+        s.last_token.index_copy_(0, upload(step.sample_slots, torch.int64, self.device), out.token_ids)
+        for slot in step.sample_slots:
+            s.has_token[slot] = True
+        return self._read_back(plan.step, step.sample_slots, out)
+
+    def _read_back(self, step: int, slots: list[int], out: SamplerOutput) -> PendingStep:
+        """Start copying the sampled ids, bad-row flags and logprobs to the host (on the CPU: keep them)."""
+        packed = torch.cat([out.token_ids, out.bad.to(torch.int64)])
+        logprobs = out.device_logprobs
+        pending = PendingStep(step, slots, packed, logprobs, logprobs.packed if logprobs else None)
+        if self.device.type == "cuda":
+            pending.readback = _to_host(packed)
+            pending.logprobs_host = _to_host(logprobs.packed) if logprobs else None
+            pending.copied = torch.cuda.Event()
+            pending.copied.record()
+        return pending
+
+    def _graphable(self, step: _Step) -> bool:
+        """A decode-only step that a captured graph covers (its rows all sample, in step order)."""
+        return (
+            self.graphs is not None
+            and len(step.decode_rows) == len(step.slots)
+            and self.graphs.size_for(len(step.slots)) is not None
+        )
+
+    def _eager_logits(self, step: _Step) -> torch.Tensor | None:
+        """Run the step's flat batch eagerly; logits of the rows that sample (None if none does)."""
+        s = self.slots
+        # One upload for every index of the step (no host sync): split into its parts on the device.
+        parts = [step.token_ids, step.decode_rows, step.decode_slots, step.slots, step.sample_rows]
+        ids = upload([i for part in parts for i in part], torch.int64, self.device)
+        input_ids, decode_rows, decode_slots, slot_index, sample_rows = ids.split(list(map(len, parts)))
         if step.decode_rows:
-            decode_slots = torch.tensor(step.decode_slots, device=dev)
-            input_ids[torch.tensor(step.decode_rows, device=dev)] = s.last_token.index_select(0, decode_slots)
+            input_ids.index_copy_(0, decode_rows, s.last_token.index_select(0, decode_slots))
         s.set_lengths(step.slots, step.seq_lens)
-        slot_index = torch.tensor(step.slots, device=dev)
         batch = build_attention_batch(
             s.block_tables.index_select(0, slot_index),
             step.query_lens,
@@ -399,24 +628,13 @@ class ModelRunner:
             self.block_size,
             seq_lens_tensor=s.seq_lens.index_select(0, slot_index),
         )
-        hidden = self.model(input_ids, batch.positions, self.attention.plan(batch))
-        for chunk in plan.chunks:  # fed tokens supersede a sampled one; sampling below sets it again
-            s.has_token[chunk.slot] = False
+        self.plan_fence.before_plan()
+        meta = self.attention.plan(batch)
+        self.plan_fence.after_plan()
+        hidden = self.model(input_ids, batch.positions, meta)
         if not step.sample_rows:
-            return StepResult(step=plan.step)
-        rows = hidden.index_select(0, torch.tensor(step.sample_rows, device=dev))
-        out = self.sampler.sample(self.model.compute_logits(rows), step.sample_slots)
-        s.last_token.index_copy_(0, torch.tensor(step.sample_slots, device=dev), out.token_ids)
-        for slot in step.sample_slots:
-            s.has_token[slot] = True
-        logprobs = list(out.logprobs) if any(lp is not None for lp in out.logprobs) else []
-        return StepResult(
-            step=plan.step,
-            slots=list(step.sample_slots),
-            token_ids=out.token_ids.tolist(),
-            logprobs=logprobs,
-            bad_slots=[step.sample_slots[i] for i in out.bad_rows],
-        )
+            return None
+        return self.model.compute_logits(hidden.index_select(0, sample_rows))
 
     # ------------------------------------------------------------------ validation
 
@@ -491,6 +709,12 @@ class ModelRunner:
             raise PlanError(
                 f"slot {chunk.slot}: context of {end} tokens exceeds max_model_len {self.max_model_len}"
             )
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A page-locked host tensor that `tensor` is being copied into (read it once the copy's event fired)."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
 
 
 def _positive(name: str, value: int) -> int:

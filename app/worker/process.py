@@ -1,27 +1,59 @@
-"""The worker process: owns the device, executes the scheduler's step plans."""
+"""The worker process: owns the device, executes the scheduler's step plans.
+
+Failure policy: a step that raises fails the requests in it (StepResult.error, HTTP 500) and the
+worker goes on; MAX_CONSECUTIVE_STEP_FAILURES failed steps in a row mean the device state is broken,
+and the worker exits 1, which brings the appliance down (the container restarts it). Its loop beats a
+liveness heartbeat at least every second while idle and after every step; a wedged step stops it.
+
+Pipelining: the scheduler keeps two steps in flight, and the worker launches a plan as soon as it
+arrives, before it reads the tokens of the step still running (ModelRunner.launch / finish), so the
+GPU does not wait for the host (staging, sampling launches, the token readback, IPC) between steps.
+Results still go out in step order, and a failure in the later step's launch cannot hold back the
+earlier step's result.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import zmq
 
 from app import ipc, lifecycle
 from app import protocol as p
+from app.config.names import TEST_FAULT_ENV
 from app.ipc import Endpoints
 
 log = logging.getLogger("tokenspeed.worker")
+
+# With two steps in flight a failed step can fail the next one too (its plan assumed the first
+# succeeded), so one fault may fail two steps; five in a row is a broken device, not bad luck.
+MAX_CONSECUTIVE_STEP_FAILURES = 5
+POLL_MS = int(lifecycle.HEARTBEAT_INTERVAL_S * 1000)
+# While a step runs, the inbox and the step are checked this often: a new plan is launched within
+# about this long of its arrival, well inside a step, and a finished step's result goes out as soon.
+SPIN_S = 50e-6
+
+
+class StepFailures(RuntimeError):
+    """Too many steps failed in a row: the worker exits."""
 
 
 def resolve_device(setting: str):
     import torch
 
     if setting == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if setting == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda was asked for but no CUDA GPU is visible (check --gpus / nvidia runtime)")
+        setting = "cuda" if torch.cuda.is_available() else "cpu"
+    if setting == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda was asked for but no CUDA GPU is visible (check --gpus / nvidia runtime)")
+        return torch.device("cuda", 0)  # set_device needs an index (torch 2.11)
     return torch.device(setting)
 
 
@@ -40,6 +72,8 @@ def run_worker(settings, endpoints: Endpoints, rank: int = 0) -> None:
     ready = runner.ready_message()
     log.info("worker %d ready on %s: %s", rank, device, ready.info)
 
+    faults = FaultInjector.from_env()
+    heartbeat = lifecycle.Heartbeat.attach(endpoints.runtime_dir, f"worker{rank}")
     ctx = zmq.Context()
     inbox = ipc.bind_pull(ctx, endpoints.inbox("worker", rank))
     results = ipc.connect_push(ctx, endpoints.inbox("scheduler_results"))
@@ -57,22 +91,249 @@ def run_worker(settings, endpoints: Endpoints, rank: int = 0) -> None:
     lifecycle.on_sigterm(lambda: os._exit(0))  # nothing to flush: device state dies with us
     try:
         with torch.inference_mode():
-            serve_steps(runner, inbox, results)
+            serve_steps(runner, inbox, results, heartbeat, faults)
     finally:
+        results.close(linger=1000)  # the last result (a failure's) must reach the scheduler
         ctx.destroy(linger=0)
 
 
-def serve_steps(runner, inbox: zmq.Socket, results: zmq.Socket) -> None:
+def serve_steps(runner, inbox: zmq.Socket, results: zmq.Socket, heartbeat: lifecycle.Heartbeat | None = None,
+                faults: FaultInjector | None = None) -> None:
+    """Serve plans until Shutdown, at most one launched step's result unsent (see the module docstring).
+    Control messages and Shutdown are handled once the step in flight is finished and its result sent."""
+    steps = StepPipeline(runner, lambda result: ipc.send(results, result), faults)
     while True:
+        lifecycle.beat(heartbeat)
+        if steps.inflight is not None:
+            if not _message_first(inbox, steps.inflight):
+                steps.complete()
+                continue
+        elif not inbox.poll(POLL_MS):
+            continue
         msg = ipc.recv(inbox)
+        if isinstance(msg, p.StepPlan):
+            steps.launch(msg)
+            continue
+        steps.complete()
         if isinstance(msg, p.Shutdown):
             return
-        if not isinstance(msg, p.StepPlan):
+        if isinstance(msg, p.ControlRequest):
+            ipc.send(results, run_control(runner, msg, heartbeat))
+        else:
             log.warning("dropping unexpected message %s", type(msg).__name__)
-            continue
+
+
+def _message_first(inbox: zmq.Socket, step: InFlight) -> bool:
+    """Wait until a message arrives (True) or the step in flight is done on the device (False). No
+    heartbeat meanwhile: a step that never completes must look wedged."""
+    while True:
+        if inbox.poll(0):
+            return True
+        if step.ready():
+            return False
+        time.sleep(SPIN_S)
+
+
+@dataclass
+class InFlight:
+    """A launched step: the runner's pending handle, or the step's result when already known (it failed,
+    or the runner has no launch())."""
+
+    plan: p.StepPlan
+    pending: Any = None
+    result: p.StepResult | None = None
+
+    def ready(self) -> bool:
+        """Whether its result can be had without waiting for the device."""
+        return self.result is not None or self.pending.ready()
+
+
+class StepPipeline:
+    """Launches steps, and finishes and sends them in order; counts consecutive failures. send: where
+    results go (the scheduler's socket; a list in benchmarks)."""
+
+    def __init__(self, runner, send: Callable[[p.StepResult], None], faults: FaultInjector | None = None) -> None:
+        self.runner = runner
+        self.send = send
+        self.faults = faults
+        self.inflight: InFlight | None = None
+        self.failures = 0
+
+    def launch(self, plan: p.StepPlan) -> None:
+        """Launch `plan`, then complete the step before it: its tokens are read once the next is queued."""
+        launched = launch_step(self.runner, plan, self.faults)
+        self.complete()
+        self.inflight = launched
+
+    def complete(self) -> None:
+        """Finish the step in flight, if any, and send its result."""
+        step, self.inflight = self.inflight, None
+        if step is None:
+            return
+        result = finish_step(self.runner, step)
+        self.send(result)
+        if result.error is not None:
+            self.failures += 1
+        elif step.plan.chunks:  # a plan that only frees slots proves nothing about the device
+            self.failures = 0
+        if self.failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+            raise StepFailures(f"{self.failures} consecutive steps failed (the last with {result.error}): the "
+                               "device state is presumed broken; exiting so that the appliance is restarted")
+
+
+def launch_step(runner, plan: p.StepPlan, faults: FaultInjector | None = None) -> InFlight:
+    """Launch one step; an exception fails the step's requests, not the process. A runner with only
+    execute() (a test double) runs the whole step here."""
+    try:
+        if faults is not None:
+            return InFlight(plan, pending=faults.launch(runner, plan))
+        if not hasattr(runner, "launch"):
+            return InFlight(plan, result=runner.execute(plan))
+        return InFlight(plan, pending=runner.launch(plan))
+    except Exception as exc:
+        return InFlight(plan, result=_failed(plan, exc))
+
+
+def finish_step(runner, step: InFlight) -> p.StepResult:
+    """The result of a launched step; an exception (a device fault surfaces here) fails the step."""
+    if step.result is not None:
+        return step.result
+    try:
+        return runner.finish(step.pending)
+    except Exception as exc:
+        return _failed(step.plan, exc)
+
+
+def _failed(plan: p.StepPlan, exc: Exception) -> p.StepResult:
+    log.error("step %d failed:\n%s", plan.step, traceback.format_exc())
+    return p.StepResult(step=plan.step, error=f"{type(exc).__name__}: {exc}")
+
+
+def run_control(runner, msg: p.ControlRequest, heartbeat: lifecycle.Heartbeat | None = None) -> p.ControlReply:
+    """A weight operation (app/worker/loader/updates.py). It runs on a helper thread while this one keeps
+    the heartbeat going: it may wait minutes on a trainer's broadcast or a disk. The scheduler sends no
+    step meanwhile. A refused or failed operation leaves the weights as they were."""
+    from app.worker.loader.updates import WeightControl
+
+    control = getattr(runner, "weight_control", None)
+    if control is None:
+        control = runner.weight_control = WeightControl(runner)
+    outcome: list[p.ControlReply] = []
+
+    def work() -> None:
         try:
-            result = runner.execute(msg)
-        except Exception as exc:  # a failed step fails its requests, not the appliance
-            log.error("step %d failed:\n%s", msg.step, traceback.format_exc())
-            result = p.StepResult(step=msg.step, error=f"{type(exc).__name__}: {exc}")
-        ipc.send(results, result)
+            outcome.append(p.ControlReply(msg.req_id, True, control.handle(msg.kind, msg.args)))
+        except Exception as exc:
+            log.error("%s failed: %s", msg.kind, exc, exc_info=not isinstance(exc, ValueError))
+            outcome.append(p.ControlReply(msg.req_id, False, str(exc) or type(exc).__name__))
+
+    thread = threading.Thread(target=work, name=msg.kind, daemon=True)
+    thread.start()
+    while thread.is_alive():
+        lifecycle.beat(heartbeat)
+        thread.join(lifecycle.HEARTBEAT_INTERVAL_S)
+    log.info("%s: %s", msg.kind, outcome[0].message)
+    return outcome[0]
+
+
+# ---------------------------------------------------------------- test-only fault injection
+
+FAULT_KINDS = ("raise", "nan", "wedge", "delay")
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One item of TOKENSPEED_TEST_FAULT: KIND:TRIGGER[:SECONDS].
+
+    KIND: raise (the step fails after running), nan (the logits of the matched sequences are NaN),
+    wedge (the step never ends), delay (the step sleeps SECONDS first). TRIGGER: rid=PREFIX (steps
+    feeding a sequence whose request id starts with PREFIX) or after=N (every step after the first N
+    that feed tokens).
+    """
+
+    kind: str
+    rid_prefix: str | None = None
+    after: int | None = None
+    seconds: float = 0.0
+
+
+def parse_faults(spec: str) -> list[Fault]:
+    """Comma-separated faults, e.g. "raise:rid=boom-,delay:after=0:0.05"."""
+    faults = []
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        kind, _, rest = item.partition(":")
+        trigger, _, seconds = rest.partition(":")
+        name, _, value = trigger.partition("=")
+        if kind not in FAULT_KINDS or not value or name not in ("rid", "after") or (
+                name == "after" and not value.isdigit()) or (kind == "delay") != bool(seconds):
+            raise ValueError(f"{TEST_FAULT_ENV}: bad fault {item!r}: expected KIND:rid=PREFIX or KIND:after=N "
+                             f"(KIND one of {', '.join(FAULT_KINDS)}; delay takes :SECONDS)")
+        faults.append(Fault(kind, value if name == "rid" else None, int(value) if name == "after" else None,
+                            float(seconds or 0)))
+    return faults
+
+
+class FaultInjector:
+    """Runs steps through the faults of TOKENSPEED_TEST_FAULT; tests use it, production never sets it."""
+
+    def __init__(self, faults: list[Fault]) -> None:
+        self.faults = faults
+        self.rids: dict[int, str] = {}  # slot -> request id, from the plans' new sequences
+        self.steps = 0  # steps that fed tokens
+
+    @classmethod
+    def from_env(cls) -> FaultInjector | None:
+        spec = os.environ.get(TEST_FAULT_ENV, "")
+        if not spec:
+            return None
+        log.warning("%s=%r: injecting test faults into this worker", TEST_FAULT_ENV, spec)
+        return cls(parse_faults(spec))
+
+    def _hit(self, fault: Fault, plan: p.StepPlan) -> set[int]:
+        """The slots of this step the fault applies to."""
+        slots = {chunk.slot for chunk in plan.chunks}
+        if fault.rid_prefix is not None:
+            prefix = fault.rid_prefix
+            return {slot for slot in slots if self.rids.get(slot, "").startswith(prefix)}
+        return slots if fault.after is not None and self.steps > fault.after else set()
+
+    def launch(self, runner, plan: p.StepPlan):
+        """runner.launch(plan) under the faults that hit this plan; returns the runner's pending step."""
+        self.rids.update({seq.slot: seq.rid for seq in plan.new_seqs})
+        self.steps += bool(plan.chunks)
+        hits = {kind: set() for kind in FAULT_KINDS}
+        for fault in self.faults:
+            if slots := self._hit(fault, plan):
+                hits[fault.kind] |= slots
+                if fault.kind == "delay":
+                    time.sleep(fault.seconds)
+        try:
+            while hits["wedge"]:
+                time.sleep(60)  # wedged: only the supervisor's heartbeat watch gets us out
+            if hits["nan"]:
+                runner.sampler.sample = _poisoned(runner.sampler.sample, hits["nan"])
+            pending = runner.launch(plan)
+            if hits["raise"]:
+                raise InjectedFault(f"injected by {TEST_FAULT_ENV} (slots {sorted(hits['raise'])})")
+            return pending
+        finally:
+            vars(runner.sampler).pop("sample", None)
+            for slot in plan.free_slots:
+                self.rids.pop(slot, None)
+
+
+def _poisoned(sample, slots: set[int]):
+    """sample() with the logits rows of `slots` set to NaN."""
+
+    def run(logits, sample_slots: list[int]):
+        rows = [i for i, slot in enumerate(sample_slots) if slot in slots]
+        if rows:
+            logits = logits.clone()
+            logits[rows] = float("nan")
+        return sample(logits, sample_slots)
+
+    return run

@@ -19,7 +19,10 @@ SHARED = list(range(10, 74))  # 64 tokens: 4 full blocks of 16
 
 @pytest.fixture(scope="module")
 def llama(tiny_model_dirs, log_dir):
-    flags = ("--block-size", "16", "--enable-cache-report", "--max-total-tokens", "4096")
+    # A long context (rope does not depend on it) lets the abort tests run requests that take
+    # far longer than an abort's round trip.
+    flags = ("--block-size", "16", "--enable-cache-report", "--max-total-tokens", "32768",
+             "--hf-overrides", '{"max_position_embeddings": 32768}')
     with Appliance(tiny_model_dirs["llama"], *flags, log_dir=log_dir) as app:
         yield app
 
@@ -119,7 +122,7 @@ def test_client_disconnect_aborts_and_frees_blocks(llama, model_name) -> None:
     body = {
         "model": model_name,
         "prompt": [5, 6, 7],
-        "max_tokens": 450,
+        "max_tokens": 20000,
         "stream": True,
         "ignore_eos": True,
     }
@@ -140,7 +143,7 @@ def test_client_disconnect_aborts_and_frees_blocks(llama, model_name) -> None:
 def test_abort_request_route_ends_a_request(llama) -> None:
     body = {
         "input_ids": [5, 6],
-        "sampling_params": {"max_new_tokens": 450, "ignore_eos": True},
+        "sampling_params": {"max_new_tokens": 20000, "ignore_eos": True},
         "rid": "victim",
         "stream": True,
     }
@@ -153,5 +156,5 @@ def test_abort_request_route_ends_a_request(llama) -> None:
     assert events[-1] == "data: [DONE]"
     last = json.loads(events[-2][len("data: ") :])
     assert last["meta_info"]["finish_reason"]["type"] == "abort"
-    assert last["meta_info"]["completion_tokens"] < 450
+    assert last["meta_info"]["completion_tokens"] < 20000
     assert loads(llama)["num_pages"] == 0

@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-
 from tokenspeed_kernels.decode_attention import (
     choose_num_splits,
     paged_decode_attention,

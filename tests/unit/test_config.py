@@ -78,7 +78,10 @@ def test_every_field_has_a_seed_group_and_purpose() -> None:
         assert m.group in GROUPS and m.purpose, m.name
         assert m.origin in ("seed", "appliance"), m.name
     appliance = {name for name, m in meta.fields().items() if m.origin == "appliance"}
-    assert appliance == {"device", "seed", "drain_timeout", "engine_startup_timeout"}
+    assert appliance == {
+        "device", "seed", "drain_timeout", "engine_startup_timeout", "admin_api_key", "max_queued_requests",
+        "request_timeout", "ttft_timeout", "heartbeat_timeout", "worker_heartbeat_timeout",
+    }
 
 
 def test_defaults_follow_the_reference() -> None:
@@ -277,9 +280,7 @@ def test_list_parameters_from_cli_and_env() -> None:
     assert line.entries["cudagraph_capture_sizes"].value == ["1", "2", "4"]
     assert env_layer({"TOKENSPEED_CUDAGRAPH_CAPTURE_SIZES": "[1, 2]"})["cudagraph_capture_sizes"].value == [1, 2]
     assert env_layer({"TOKENSPEED_CUDAGRAPH_CAPTURE_SIZES": "8,16"})["cudagraph_capture_sizes"].value == ["8", "16"]
-    # Converted to ints by the model, then refused by the support table with the parsed values.
-    assert error_of(["m", "--cudagraph-capture-sizes", "1", "2,4"]).startswith(
-        "--cudagraph-capture-sizes 1 2 4 is not supported yet")
+    assert load(["m", "--cudagraph-capture-sizes", "1", "2,4"]).cudagraph_capture_sizes == [1, 2, 4]
     assert error_of(["m", "--cudagraph-capture-sizes", "1", "x"]).startswith(
         "--cudagraph-capture-sizes[1]: Input should be a valid integer")
     assert load(["m", "--metrics-reporters", "prometheus"]).metrics_reporters == ["prometheus"]
@@ -401,9 +402,9 @@ def test_unsupported_message_names_flag_and_source() -> None:
 
 
 @pytest.mark.parametrize("argv", [
-    ["--attention-backend", "fa3"], ["--attention-backend", "flashinfer"], ["--sampling-backend", "flashinfer"],
-    ["--sampling-backend", "triton_full"], ["--kv-cache-dtype", "fp8"], ["--kv-cache-quant-method", "per_token_head"],
-    ["--quantization", "fp8"], ["--quantization-param-path", "/x.json"], ["--load-format", "npcache"],
+    ["--attention-backend", "fa3"], ["--sampling-backend", "flashinfer"],
+    ["--sampling-backend", "triton_full"], ["--kv-cache-quant-method", "per_token_head"],
+    ["--load-format", "npcache"],
     ["--load-format", "extensible"], ["--tokenizer-mode", "deepseek_v4"], ["--data-parallel-size", "2"],
     ["--dense-tp-size", "2"], ["--moe-tp-size", "2"], ["--enable-expert-parallel"], ["--world-size", "2"],
     ["--nnodes", "2"], ["--node-rank", "1"], ["--nprocs-per-node", "2"], ["--dist-init-addr", "h:1"],
@@ -412,14 +413,13 @@ def test_unsupported_message_names_flag_and_source() -> None:
     ["--reasoning-parser", "qwen3"], ["--tool-call-parser", "json"], ["--enable-custom-logit-processor"],
     ["--speculative-draft-model-path", "d"], ["--speculative-num-steps", "2"], ["--speculative-eagle-topk", "2"],
     ["--speculative-num-draft-tokens", "2"], ["--speculative-draft-model-quantization", "fp8"],
-    ["--eagle3-layers-to-capture", "1,2"], ["--enable-log-request-stats"], ["--enable-metrics"],
-    ["--kv-events-config", '{"enable_kv_cache_events": true}'], ["--max-cudagraph-capture-size", "8"],
-    ["--no-disable-kvstore"], ["--kvstore-ratio", "1.5"], ["--kvstore-size", "4"], ["--kvstore-io-backend", "direct"],
+    ["--eagle3-layers-to-capture", "1,2"], ["--no-disable-kvstore"], ["--kvstore-ratio", "1.5"], ["--kvstore-size", "4"], ["--kvstore-io-backend", "direct"],
     ["--kvstore-mem-layout", "page_first"], ["--kvstore-storage-backend", "mooncake"],
     ["--enable-mla-l1-5-cache"], ["--mla-chunk-multiplier", "2"], ["--disaggregation-mode", "prefill"],
     ["--disaggregation-bootstrap-port", "9000"], ["--disaggregation-ib-device", "mlx5_0"],
     ["--disaggregation-layerwise-interval", "2"], ["--comm-fusion-max-num-tokens", "1024"],
     ["--enable-allreduce-fusion"], ["--dp-sampling"], ["--tokenizer-mode", "slow"],
+    ["--quantization", "nvfp4"], ["--kv-cache-dtype", "mxfp8"],
 ])
 def test_unbuilt_features_are_refused(argv: list[str]) -> None:
     message = error_of(["m", *argv])
@@ -433,6 +433,9 @@ def test_unbuilt_features_are_refused(argv: list[str]) -> None:
     ["--trust-remote-code"], ["--enforce-eager"], ["--enable-log-requests", "--log-requests-level", "2"],
     ["--enable-cache-report"], ["--stream-output"], ["--device", "cpu"], ["--seed", "7"], ["--drain-timeout", "0.5"],
     ["--speculative-num-draft-tokens", "4"], ["--tp", "1"], ["--kvstore-ratio", "2"],
+    ["--attention-backend", "flashinfer"], ["--attention-backend", "triton"], ["--max-cudagraph-capture-size", "8"],
+    ["--kv-cache-dtype", "fp8"], ["--quantization", "fp8"], ["--quantization", "w8a8_fp8"],
+    ["--enable-metrics"], ["--enable-log-request-stats"], ["--kv-events-config", '{"enable_kv_cache_events": true}'],
 ])
 def test_built_features_are_accepted(argv: list[str]) -> None:
     load(["m", *argv])

@@ -151,11 +151,6 @@ def test_hf_overrides_apply_as_if_in_config_json(qwen2_dir: Path) -> None:
         load_hf_config(qwen2_dir, "not a dict")  # type: ignore[arg-type]
 
 
-def test_quantized_checkpoints_are_refused(qwen2_dir: Path) -> None:
-    with pytest.raises(ValueError, match="fp8"):
-        load_hf_config(qwen2_dir, {"quantization_config": {"quant_method": "fp8"}})
-
-
 def test_eos_ids_union_config_and_generation_config(tmp_path: Path) -> None:
     model_dir = build_tiny_model("llama", tmp_path, num_hidden_layers=2)
     (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 2]}))

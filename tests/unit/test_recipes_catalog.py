@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 import yaml
 
-from app.config import ConfigError, load_settings
+from app.config import ConfigError, load_settings, resolve_with_sources
+from app.config.show import as_json
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "configs" / "recipes"
@@ -22,11 +23,9 @@ DOCS = ROOT / "docs" / "recipes.md"
 
 # Recipes this build refuses on purpose, with the config system's reason. When a feature lands, its
 # recipes validate, test_pending_recipes_are_refused fails, and they move to the catalogue proper.
-FP8_REFUSAL = "--quantization fp8 is not supported yet: weight quantization is not built yet"
-PENDING: dict[str, str] = {
-    "qwen3-8b-fp8.yaml": FP8_REFUSAL,
-    "llama-3.1-8b-instruct-fp8.yaml": FP8_REFUSAL,
-}
+# None today: the FP8 recipes moved out when FP8 landed (test_fp8_recipes_are_valid).
+PENDING: dict[str, str] = {}
+FP8_RECIPES = ("qwen3-8b-fp8.yaml", "llama-3.1-8b-instruct-fp8.yaml")
 # Recipes for local models, owned by the config and model work (not Hub models).
 LOCAL = {"smollm2-135m-instruct.yaml", "tiny-test.yaml"}
 
@@ -90,6 +89,16 @@ def test_pending_recipes_fail_only_for_their_reason(name: str, tmp_path: Path) -
     without.write_text(yaml.safe_dump(doc))
     settings = load_settings(["--config", str(without)], {})
     assert (settings.model, settings.max_model_len) == (doc["model"], doc["max_model_len"])
+
+
+@pytest.mark.parametrize("name", FP8_RECIPES)
+def test_fp8_recipes_are_valid(name: str) -> None:
+    """The FP8 recipes validate as they are, and `config show` reports the quantization they set."""
+    path = RECIPES / name
+    resolved = resolve_with_sources(["--config", str(path)], {})
+    assert resolved.settings.quantization == "fp8" and resolved.settings.kv_cache_dtype == "auto"
+    shown = as_json(resolved)["quantization"]
+    assert (shown["value"], shown["source"]) == ("fp8", "file") and str(path) in shown["where"]
 
 
 @pytest.mark.parametrize("name", sorted(CATALOGUE))

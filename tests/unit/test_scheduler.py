@@ -71,25 +71,29 @@ def request(rid: str, prompt: list[int], max_new: int, **kw) -> p.TokenizedReque
     return p.TokenizedRequest(rid, prompt, p.SamplingParams(max_new_tokens=max_new, temperature=0, **kw))
 
 
-def run(sched: Scheduler, worker: FakeWorker, arrivals: dict[int, list] | None = None, max_steps=5000, check=None):
-    """Drive to completion; arrivals maps step -> requests added before that step."""
+def run(sched, worker, arrivals=None, max_steps=5000, check=None, overlap=False):
+    """Drive to completion; arrivals maps step -> requests added before that step. With overlap,
+    the scheduler plans step N+1 before it processes step N's result, as the process loop does."""
     outputs: dict[str, list[int]] = {}
     finals: dict[str, p.TokenDelta] = {}
     arrivals = arrivals or {}
+    pending: list[p.StepResult] = []  # results the scheduler has not seen yet
+    depth = 2 if overlap else 1
     for step in range(max_steps):
         for req in arrivals.pop(step, []):
             sched.add_request(req)
-        plan = sched.schedule()
-        if plan is None:
-            if not arrivals and not sched.has_work():
-                break
-            continue
-        if check:
-            check(plan, sched)
-        for d in sched.process_result(worker.execute(plan)):
-            outputs.setdefault(d.rid, []).extend(d.token_ids)
-            if d.finish_reason:
-                finals[d.rid] = d
+        plan = sched.schedule() if len(pending) < depth else None
+        if plan is not None:
+            if check:
+                check(plan, sched)
+            pending.append(worker.execute(plan))  # the worker runs steps in the order sent
+        if pending and (plan is None or len(pending) == depth):
+            for d in sched.process_result(pending.pop(0)):
+                outputs.setdefault(d.rid, []).extend(d.token_ids)
+                if d.finish_reason:
+                    finals[d.rid] = d
+        elif plan is None and not arrivals and not sched.has_work():
+            break
     else:
         raise AssertionError("did not finish")
     assert sched.kv.num_used_blocks == 0, "blocks leaked"
@@ -101,7 +105,8 @@ def chunk_tokens(ch: p.SeqChunk) -> int:
     return len(ch.token_ids) or 1
 
 
-def test_batch_matches_reference_and_budget_holds() -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_batch_matches_reference_and_budget_holds(overlap) -> None:
     sched, worker = make(chunk=16)
     rng = random.Random(0)
     reqs = [request(f"r{i}", [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 40))], 20) for i in range(6)]
@@ -109,13 +114,14 @@ def test_batch_matches_reference_and_budget_holds() -> None:
     def check(plan, _):
         assert sum(chunk_tokens(c) for c in plan.chunks) <= 16
 
-    outputs, finals = run(sched, worker, {0: reqs[:3], 5: reqs[3:]}, check=check)
+    outputs, finals = run(sched, worker, {0: reqs[:3], 5: reqs[3:]}, check=check, overlap=overlap)
     for r in reqs:
         assert outputs[r.rid] == reference(r.prompt_ids, 20)
         assert finals[r.rid].finish_reason == "length"
 
 
-def test_long_prompt_is_chunked_in_order_and_decodes_keep_running() -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_long_prompt_is_chunked_in_order_and_decodes_keep_running(overlap) -> None:
     sched, worker = make(chunk=8)
     short = request("short", [1, 2, 3], 30)
     long = request("long", list(range(1, 60)), 5)
@@ -132,18 +138,19 @@ def test_long_prompt_is_chunked_in_order_and_decodes_keep_running() -> None:
             if c.token_ids and len(c.token_ids) > 1:
                 seen_chunks.append(c.token_ids)
 
-    outputs, _ = run(sched, worker, {0: [short], 2: [long]}, check=check)
+    outputs, _ = run(sched, worker, {0: [short], 2: [long]}, check=check, overlap=overlap)
     assert outputs["long"] == reference(long.prompt_ids, 5)
     assert outputs["short"] == reference(short.prompt_ids, 30)
     flat = [t for c in seen_chunks for t in c if c != [1, 2, 3]]
     assert flat == long.prompt_ids  # the chunks cover the prompt exactly, in order
 
 
-def test_preemption_under_a_tiny_pool_keeps_outputs_identical() -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_preemption_under_a_tiny_pool_keeps_outputs_identical(overlap) -> None:
     sched, worker = make(num_blocks=12, block_size=4, chunk=64)
     rng = random.Random(1)
     reqs = [request(f"r{i}", [rng.randrange(1, VOCAB) for _ in range(10)], 25) for i in range(5)]
-    outputs, _ = run(sched, worker, {0: reqs})
+    outputs, _ = run(sched, worker, {0: reqs}, overlap=overlap)
     assert sched.num_preemptions > 0
     for r in reqs:
         assert outputs[r.rid] == reference(r.prompt_ids, 25)
@@ -203,3 +210,23 @@ def test_stop_token_eos_min_tokens_and_abort() -> None:
     assert plan is not None and sorted(plan.free_slots) == sorted(worker.slots)
     assert sched.process_result(worker.execute(plan)) == []
     assert sched.schedule() is None and not sched.has_work()
+
+
+def test_overlap_never_schedules_past_max_tokens_and_voids_work_after_eos() -> None:
+    sched, worker = make()
+    # Finishes by length: the scheduler must not plan a decode beyond max_new_tokens.
+    sched.add_request(request("len", [3, 4, 5], 2))
+    planned = 0
+    pending = []
+    for _ in range(6):
+        plan = sched.schedule()
+        if plan is not None:
+            planned += sum(1 for c in plan.chunks if c.sample)
+            pending.append(worker.execute(plan))
+        if pending and (plan is None or len(pending) == 2):
+            sched.process_result(pending.pop(0))
+    assert planned == 2 and not sched.has_work()
+    # Finishes by a stop id: the one step planned past it is void and its token never emitted.
+    target = reference([5, 6, 7], 2)[1]
+    outputs, finals = run(*make(), {0: [request("stop", [5, 6, 7], 20, stop_token_ids=[target])]}, overlap=True)
+    assert outputs["stop"] == reference([5, 6, 7], 2) and finals["stop"].finish_reason == "stop"

@@ -92,6 +92,7 @@ def wait_ready(h: Harness) -> ProcessReady:
     ready = h.recv("supervisor")
     assert isinstance(ready, ProcessReady) and ready.name == "tokenizer" and ready.pid == h.proc.pid
     h.send(EngineReady({"max_model_len": 128, "vocab_size": 512, "eos_token_ids": [2]}))
+    assert isinstance(h.recv("http"), EngineReady)  # forwarded: http learns readiness from the tokenizer
     return ready
 
 

@@ -17,6 +17,7 @@ from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from app.worker.attention.base import AttentionBackend, AttentionBatch, AttentionMetadata, AttentionSpec
 from app.worker.kv_cache import KVCache
+from app.worker.quantization.kv import write_kv
 
 DEFAULT_DECODE_GROUP_TOKENS = 1 << 16
 
@@ -44,6 +45,7 @@ class TorchAttentionMetadata(AttentionMetadata):
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    supports_fp8_kv = True  # reads an FP8 cache with its per-layer scales
 
     def __init__(
         self, kv_cache: KVCache, spec: AttentionSpec, decode_group_tokens: int = DEFAULT_DECODE_GROUP_TOKENS
@@ -115,14 +117,19 @@ class TorchAttentionBackend(AttentionBackend):
         assert isinstance(meta, TorchAttentionMetadata)
         k_cache = self.kv_cache.k[layer_idx].view(-1, self.spec.num_kv_heads, self.spec.head_dim)
         v_cache = self.kv_cache.v[layer_idx].view(-1, self.spec.num_kv_heads, self.spec.head_dim)
-        k_cache.index_copy_(0, meta.batch.slot_mapping, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, meta.batch.slot_mapping, v.to(v_cache.dtype))
+        k_scale, v_scale = self.kv_cache.k_scales[layer_idx], self.kv_cache.v_scales[layer_idx]
+        write_kv(k_cache, meta.batch.slot_mapping, k, k_scale)
+        write_kv(v_cache, meta.batch.slot_mapping, v, v_scale)
+        # An FP8 cache is read as cast codes and dequantized by folding its scales in, exactly:
+        # q . (K * k_scale) == (q * k_scale) . K and softmax(s) @ (V * v_scale) == (softmax(s) @ V) * v_scale.
+        if k_scale != 1.0:
+            q = q * k_scale
         out = torch.empty_like(q)
         for p in meta.prefills:
             out[p.start : p.end] = self._attend_prefill(q[p.start : p.end], k_cache, v_cache, p)
         for g in meta.decode_groups:
             out.index_copy_(0, g.rows, self._attend_decodes(q.index_select(0, g.rows), k_cache, v_cache, g))
-        return out
+        return out if v_scale == 1.0 else out * v_scale
 
     def _expand_kv(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Repeat each KV head for its group of query heads (GQA): query head h reads KV head h // group."""

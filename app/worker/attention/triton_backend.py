@@ -20,6 +20,8 @@ from app.worker.kv_cache import KVCache
 
 # SM count assumed off-GPU (the interpreter): it only shapes the split count.
 _INTERPRETER_SMS = 4
+# KV cache dtypes the kernels read (the query and output share it).
+TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def triton_usable(device: torch.device) -> bool:
@@ -43,6 +45,8 @@ class TritonAttentionBackend(AttentionBackend):
         device = kv_cache.k[0].device
         if not triton_usable(device):
             raise ValueError("the triton attention backend needs a CUDA device (or TRITON_INTERPRET=1)")
+        if kv_cache.spec.dtype not in TRITON_DTYPES:
+            raise ValueError(f"the triton attention backend does not read a {kv_cache.spec.dtype} KV cache")
         # Imported here: the interpreter switch is read when the kernels are defined.
         from tokenspeed_kernels import decode_attention, kv_write, prefill_attention
 
@@ -63,9 +67,7 @@ class TritonAttentionBackend(AttentionBackend):
         query_lens = [hi - lo for lo, hi in zip(starts, starts[1:], strict=False)]
         max_query_len = max(query_lens, default=1)
         if max_query_len == 1:
-            return TritonAttentionMetadata(
-                backend=self, batch=batch, num_splits=self._splits(batch.num_seqs, max(batch.seq_lens, default=1))
-            )
+            return self.capture_metadata(batch)
         device = batch.block_tables.device
         cu = torch.tensor(starts, dtype=torch.int32, device=device)
         return TritonAttentionMetadata(
@@ -74,9 +76,12 @@ class TritonAttentionBackend(AttentionBackend):
 
     def capture_metadata(self, batch: AttentionBatch) -> TritonAttentionMetadata:
         # Split for the longest context the block tables can describe; shorter sequences leave
-        # trailing pieces empty, which cost one early-exiting program each.
+        # trailing pieces empty, which cost one early-exiting program each. Eager decode steps split
+        # the same way, so a graph replay and an eager step of one batch compute the same sums.
         longest = batch.block_tables.shape[1] * batch.block_size
-        return TritonAttentionMetadata(backend=self, batch=batch, num_splits=self._splits(batch.num_seqs, longest))
+        return TritonAttentionMetadata(
+            backend=self, batch=batch, num_splits=self._splits(batch.num_seqs, longest)
+        )
 
     def prepare_replay(self, meta: AttentionMetadata, batch: AttentionBatch) -> None:
         """The kernels read the persistent buffers directly: nothing to refresh."""
@@ -90,7 +95,13 @@ class TritonAttentionBackend(AttentionBackend):
         self._write(k, v, k_cache, v_cache, batch.slot_mapping)
         if meta.decode:
             return self._decode.paged_decode_attention(
-                q, k_cache, v_cache, batch.block_tables, batch.seq_lens_tensor, self.spec.scale, meta.num_splits
+                q,
+                k_cache,
+                v_cache,
+                batch.block_tables,
+                batch.seq_lens_tensor,
+                self.spec.scale,
+                meta.num_splits,
             )
         assert meta.cu_seqlens_q is not None
         return self._prefill.paged_prefill_attention(

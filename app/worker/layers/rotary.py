@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from app.worker.layers.fused import kernel_module, use_fused
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _DEFAULT_THETA = 10000.0
 
@@ -127,6 +129,22 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos.index_select(0, positions).unsqueeze(1).to(dtype)
         sin = self.sin.index_select(0, positions).unsqueeze(1).to(dtype)
         return cos, sin
+
+
+class Rope:
+    """One step's rotary inputs, shared by every layer. On CUDA a fused kernel rotates q and k in
+    place straight from the float32 tables; elsewhere the step's cos/sin rows are gathered once."""
+
+    def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> None:
+        self.rotary = rotary
+        self.positions = positions
+        self.cos_sin = None if use_fused(positions) else rotary.cos_sin(positions, dtype)
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cos_sin is None:
+            kernel_module("rotary").rotary_inplace(q, k, self.rotary.cos, self.rotary.sin, self.positions)
+            return q, k
+        return apply_rotary(q, k, *self.cos_sin)
 
 
 def apply_rotary(

@@ -35,17 +35,13 @@ def load_hf_config(
 ) -> PretrainedConfig:
     """Read config.json, merge the overrides into it (nested dicts merge key by key) and build the
     config from the result, so transformers normalizes overridden fields (e.g. RoPE) as if the
-    file had said so."""
+    file had said so. A `quantization_config` is kept: app.worker.quantization decides whether it runs."""
     if hf_overrides is not None and not isinstance(hf_overrides, Mapping):
         raise TypeError(f"--hf-overrides must be a JSON object, got {type(hf_overrides).__name__}")
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     if hf_overrides:
         raw, _ = type(config).get_config_dict(str(model_dir))
         config = type(config).from_dict(_deep_merge(raw, hf_overrides))
-    quant = getattr(config, "quantization_config", None)
-    if quant:
-        method = quant.get("quant_method", "?") if isinstance(quant, Mapping) else type(quant).__name__
-        raise ValueError(f"quantized checkpoints ({method}) are not supported by this build")
     return config
 
 

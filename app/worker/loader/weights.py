@@ -5,7 +5,8 @@ pt (pytorch_model.bin, or shards listed by pytorch_model.bin.index.json), auto (
 directory has any, else pt), dummy (no files: every floating parameter uniform(-1e-3, 1e-3) from a
 generator seeded 1234). Each checkpoint tensor is read, copied into its (possibly fused) parameter
 in the model's dtype and device, and dropped before the next one, so the checkpoint is never held
-in memory twice.
+in memory twice. FP8 layers (app.worker.quantization) fill their parameters through their own
+weight loaders and are brought to their run-time form once everything is loaded.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from safetensors import safe_open
 from torch import nn
 
 from app.worker.layers import SHARD_ROWS
+from app.worker.layers.linear import FROM_CHECKPOINT, WEIGHT_LOADER
 from app.worker.models.dense import DenseCausalLM
+from app.worker.quantization import FP8_DTYPE, finish_loading
 
 LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
 DUMMY_SEED = 1234
@@ -89,7 +92,12 @@ def load_tensors(model: DenseCausalLM, tensors: Iterator[tuple[str, torch.Tensor
     """Copy checkpoint tensors into the model; every parameter must be filled exactly once.
     Returns the number of tensors loaded."""
     params = dict(model.named_parameters())
-    expected = {name for p in params for name, _ in model.checkpoint_names(p)}
+    expected = {
+        name
+        for p, param in params.items()
+        if getattr(param, FROM_CHECKPOINT, True)
+        for name, _ in model.checkpoint_names(p)
+    }
     seen: set[str] = set()
     unexpected: list[str] = []
     for name, tensor in tensors:
@@ -114,6 +122,18 @@ def load_tensors(model: DenseCausalLM, tensors: Iterator[tuple[str, torch.Tensor
 def _copy_into(param: nn.Parameter, tensor: torch.Tensor, name: str, shard: str | None) -> None:
     if not tensor.is_floating_point():
         raise CheckpointError(f"checkpoint tensor {name} has dtype {tensor.dtype}; only float weights load")
+    loader = getattr(param, WEIGHT_LOADER, None)
+    if loader is not None:
+        try:
+            loader(tensor, shard)
+        except ValueError as exc:
+            raise CheckpointError(f"checkpoint tensor {name} {exc}") from exc
+        return
+    if tensor.dtype == FP8_DTYPE and param.dtype != FP8_DTYPE:
+        raise CheckpointError(
+            f"checkpoint tensor {name} is FP8 but the model holds it in {param.dtype}: its quantization "
+            "is not supported (only decoder linears are quantized)"
+        )
     target = param.data
     if shard is not None:
         first, rows = getattr(param, SHARD_ROWS)[shard]
@@ -132,8 +152,8 @@ def init_dummy(model: nn.Module) -> None:
     generators: dict[torch.device, torch.Generator] = {}
     with torch.no_grad():
         for _, param in model.named_parameters():
-            if not param.is_floating_point():
-                continue
+            if not param.is_floating_point() or hasattr(param, FROM_CHECKPOINT):
+                continue  # a quantized layer's parameters: finish_loading draws them
             gen = generators.get(param.device)
             if gen is None:
                 gen = generators[param.device] = torch.Generator(device=param.device).manual_seed(DUMMY_SEED)
@@ -144,7 +164,9 @@ def load_weights(model: DenseCausalLM, model_dir: Path, load_format: str) -> str
     """Fill the model from model_dir per --load-format; returns the format actually used."""
     if load_format == "dummy":
         init_dummy(model)
+        finish_loading(model, dummy_seed=DUMMY_SEED)
         return "dummy"
     resolved, files = checkpoint_files(model_dir, load_format)
     load_tensors(model, iterate_tensors(resolved, files))
+    finish_loading(model)
     return resolved

@@ -10,8 +10,8 @@ metadata says which tokens belong to which sequence.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -24,12 +24,15 @@ from app.worker.layers import (
     LMHead,
     QKVLinear,
     RMSNorm,
+    Rope,
     RotaryEmbedding,
     SiluAndMul,
     VocabEmbedding,
-    apply_rotary,
     rope_spec_from_config,
 )
+
+if TYPE_CHECKING:
+    from app.worker.quantization import Fp8LinearMethod
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class DenseOptions:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    quant: Fp8LinearMethod | None = None  # FP8 decoder linears (embeddings and LM head stay unquantized)
 
 
 @dataclass(frozen=True)
@@ -72,17 +76,15 @@ class DenseAttention(nn.Module):
         self.layer_idx = layer_idx
         self.dims = dims
         self.qkv_proj = QKVLinear(
-            dims.hidden, dims.num_heads, dims.num_kv_heads, dims.head_dim, opts.qkv_bias, dtype
+            dims.hidden, dims.num_heads, dims.num_kv_heads, dims.head_dim, opts.qkv_bias, dtype, opts.quant
         )
-        self.o_proj = Linear(dims.num_heads * dims.head_dim, dims.hidden, opts.o_bias, dtype)
+        self.o_proj = Linear(dims.num_heads * dims.head_dim, dims.hidden, opts.o_bias, dtype, opts.quant)
         if opts.qk_norm:
             self.q_norm = RMSNorm(dims.head_dim, dims.eps, dtype)
             self.k_norm = RMSNorm(dims.head_dim, dims.eps, dtype)
         self.qk_norm = opts.qk_norm
 
-    def forward(
-        self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, rope: Rope, attn: AttentionMetadata) -> torch.Tensor:
         d = self.dims
         q, k, v = self.qkv_proj.forward_split(hidden)
         q = q.view(-1, d.num_heads, d.head_dim)
@@ -90,7 +92,7 @@ class DenseAttention(nn.Module):
         v = v.view(-1, d.num_kv_heads, d.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rope)
+        q, k = rope.apply(q, k)
         out = attn.backend.forward(self.layer_idx, q, k, v, attn)
         return self.o_proj(out.reshape(-1, d.num_heads * d.head_dim))
 
@@ -98,9 +100,9 @@ class DenseAttention(nn.Module):
 class DenseMLP(nn.Module):
     def __init__(self, dims: DenseDims, opts: DenseOptions, dtype: torch.dtype) -> None:
         super().__init__()
-        self.gate_up_proj = GateUpLinear(dims.hidden, dims.intermediate, opts.mlp_bias, dtype)
+        self.gate_up_proj = GateUpLinear(dims.hidden, dims.intermediate, opts.mlp_bias, dtype, opts.quant)
         self.act = SiluAndMul()
-        self.down_proj = Linear(dims.intermediate, dims.hidden, opts.mlp_bias, dtype)
+        self.down_proj = Linear(dims.intermediate, dims.hidden, opts.mlp_bias, dtype, opts.quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -115,11 +117,19 @@ class DenseDecoderLayer(nn.Module):
         self.mlp = DenseMLP(dims, opts, dtype)
 
     def forward(
-        self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata
-    ) -> torch.Tensor:
-        # Residual adds in the activation dtype, in transformers' order.
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, attn)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: Rope, attn: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: the previous sublayer's output; residual: the residual stream before it (None at the
+        first layer, whose input is the embedding). Returns this layer's MLP output and the stream
+        before it. The adds are transformers' (in the activation dtype), each fused into the norm
+        that follows it."""
+        if residual is None:
+            residual, normed = hidden, self.input_layernorm(hidden)
+        else:
+            normed, residual = self.input_layernorm.add_forward(hidden, residual)
+        attn_out = self.self_attn(normed, rope, attn)
+        normed, residual = self.post_attention_layernorm.add_forward(attn_out, residual)
+        return self.mlp(normed), residual
 
 
 class DenseModel(nn.Module):
@@ -136,10 +146,13 @@ class DenseModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        rope = self.rotary.cos_sin(positions, hidden.dtype)
+        rope = Rope(self.rotary, positions, hidden.dtype)
+        residual = None
         for layer in self.layers:
-            hidden = layer(hidden, rope, attn)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, rope, attn)
+        if residual is None:  # no layers
+            return self.norm(hidden)
+        return self.norm.add_forward(hidden, residual)[0]
 
 
 # (fused parameter infix, checkpoint infix, shard id)
@@ -161,13 +174,15 @@ class DenseCausalLM(nn.Module):
     def options(cls, config: Any) -> DenseOptions:
         raise NotImplementedError(f"{cls.__name__} must choose its DenseOptions")
 
-    def __init__(self, config: Any, dtype: torch.dtype, max_positions: int) -> None:
+    def __init__(
+        self, config: Any, dtype: torch.dtype, max_positions: int, quant: Fp8LinearMethod | None = None
+    ) -> None:
         super().__init__()
         _check_supported(config, max_positions)
         self.dims = dims = DenseDims.from_config(config)
         self.dtype = dtype
         rotary = RotaryEmbedding(rope_spec_from_config(config, dims.head_dim), max_positions)
-        self.model = DenseModel(dims, self.options(config), rotary, dtype)
+        self.model = DenseModel(dims, replace(self.options(config), quant=quant), rotary, dtype)
         tied = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = LMHead(dims.vocab_size, dims.hidden, dtype, self.model.embed_tokens if tied else None)
 

@@ -15,6 +15,7 @@ import torch
 
 from app.worker.sampling import truncation
 from app.worker.sampling.slots import SlotTable
+from app.worker.sampling.transfer import to_device
 
 
 @dataclass(slots=True)
@@ -47,12 +48,12 @@ def _pairs(rows: np.ndarray, per_row: list[np.ndarray]) -> tuple[np.ndarray, np.
 
 
 def _upload(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
-    """One host-to-device copy per dtype; the results are views of the copied buffer."""
+    """One host-to-device copy per dtype, queued without a sync; the results are views of the copied buffer."""
     out: dict[str, torch.Tensor] = {}
     for dtype in (np.int64, np.float32):
         names = [name for name, array in arrays.items() if array.dtype == dtype]
-        flat = np.concatenate([arrays[name] for name in names])
-        pieces = torch.from_numpy(flat).to(device).split([arrays[name].size for name in names])
+        flat = torch.from_numpy(np.concatenate([arrays[name] for name in names]))
+        pieces = to_device(flat, device).split([arrays[name].size for name in names])
         out.update(zip(names, pieces, strict=True))
     return out
 

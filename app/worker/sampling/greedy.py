@@ -10,10 +10,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from app.protocol import SamplingParams, TokenLogprobs
+from app.protocol import SamplingParams
 from app.worker.sampling.logprobs import gather_logprobs
 from app.worker.sampling.output import SamplerOutput, check_logits
 from app.worker.sampling.processors import find_bad_rows
+from app.worker.sampling.transfer import upload
 from app.worker.sampling.validation import check_greedy_params
 
 
@@ -61,13 +62,8 @@ class GreedySampler:
         s = self._check_active(slots)
         tokens = logits.argmax(dim=-1)
         rows = np.flatnonzero(self._logprobs[s])
-        logprobs: list[TokenLogprobs | None] = [None] * len(slots)
+        logprobs = None
         if len(rows):
-            rows_dev = torch.from_numpy(rows).to(self.device)
-            logprobs = gather_logprobs(
-                logits, tokens, rows, rows_dev, self._top_logprobs[s[rows]], len(slots)
-            )
-        bad_rows = find_bad_rows(logits).nonzero().flatten().tolist()
-        for row in bad_rows:
-            logprobs[row] = None
-        return SamplerOutput(tokens, logprobs, bad_rows)
+            rows_dev = upload(rows, torch.int64, self.device)
+            logprobs = gather_logprobs(logits, tokens, rows, rows_dev, self._top_logprobs[s[rows]])
+        return SamplerOutput(tokens, find_bad_rows(logits), logprobs)

@@ -8,13 +8,31 @@ from typing import Protocol
 import torch
 
 from app.protocol import SamplingParams, TokenLogprobs
+from app.worker.sampling.logprobs import DeviceLogprobs
 
 
 @dataclass(slots=True)
 class SamplerOutput:
+    """A sampling step as device work: building it never waits for the device (the model runner
+    copies what it needs to the host without blocking and reads it a step later). The properties
+    bad_rows and logprobs read the device on access: a sync, for tests and one-off callers."""
+
     token_ids: torch.Tensor  # [B] int64 on the sampler's device
-    logprobs: list[TokenLogprobs | None]  # per row; None where not requested (or the row is bad)
-    bad_rows: list[int]  # rows whose logits held NaN/+inf (or were all -inf): their token is meaningless
+    bad: torch.Tensor  # [B] bool on the device: NaN/+inf (or all -inf) logits, a meaningless token
+    device_logprobs: DeviceLogprobs | None = None  # the rows that asked for logprobs (None: no row did)
+
+    @property
+    def bad_rows(self) -> list[int]:
+        return self.bad.nonzero().flatten().tolist()
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs | None]:
+        """Per row; None where not requested (or the row is bad)."""
+        batch_size = self.token_ids.shape[0]
+        if self.device_logprobs is None:
+            return [None] * batch_size
+        host = self.device_logprobs.packed.cpu().numpy()
+        return self.device_logprobs.unpack(host, batch_size, self.bad_rows)
 
 
 class SamplerBackend(Protocol):

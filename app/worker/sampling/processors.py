@@ -21,8 +21,11 @@ def find_bad_rows(logits: torch.Tensor) -> torch.Tensor:
 def add_logit_bias(
     logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, bias: torch.Tensor
 ) -> None:
-    """logits[rows[i], tokens[i]] += bias[i], in place (pairs flattened over the batch)."""
-    logits.index_put_((rows, tokens), bias, accumulate=True)
+    """logits[rows[i], tokens[i]] += bias[i], in place (pairs flattened over the batch; logits contiguous).
+
+    index_add_ over the flat view, not index_put_(accumulate=True): some torch releases check the
+    indices of the latter on the host, a device sync."""
+    logits.view(-1).index_add_(0, rows * logits.shape[1] + tokens, bias)
 
 
 def mask_tokens(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor) -> None:

@@ -18,6 +18,7 @@ import torch
 
 from app.protocol import SamplingParams
 from app.worker.sampling.randomness import position_seed
+from app.worker.sampling.transfer import upload
 
 
 @dataclass(slots=True)
@@ -104,11 +105,13 @@ class SlotTable:
         for name, ids in (("prompt_ids", prompt_ids), ("output_ids", output_ids)):
             if ids and not 0 <= min(ids) <= max(ids) < self.vocab_size:
                 raise ValueError(f"{name} of slot {slot} hold a token id outside [0, {self.vocab_size})")
-        prompt = torch.tensor(prompt_ids, dtype=torch.int64).to(self.device)
-        output = torch.tensor(output_ids, dtype=torch.int64).to(self.device)
+        prompt = upload(prompt_ids, torch.int64, self.device)
+        output = upload(output_ids, torch.int64, self.device)
         self.prompt_seen[slot].zero_()
         self.prompt_seen[slot, prompt] = True
-        self.counts[slot] = torch.bincount(output, minlength=self.vocab_size).to(torch.int32)
+        # index_add_, not bincount: bincount sizes its output from the max id, a device sync.
+        ones = torch.ones_like(output, dtype=torch.int32)
+        self.counts[slot].zero_().index_add_(0, output, ones)
 
     def remove(self, slot: int) -> None:
         self.check_active([slot])
@@ -137,4 +140,5 @@ class SlotTable:
         np.add.at(self.num_output, slots, 1)
         if penalised_slots.numel():
             ones = torch.ones_like(penalised_tokens, dtype=torch.int32)
-            self.counts.index_put_((penalised_slots, penalised_tokens), ones, accumulate=True)
+            flat = penalised_slots * self.vocab_size + penalised_tokens  # index_add_: see add_logit_bias
+            self.counts.view(-1).index_add_(0, flat, ones)

@@ -12,6 +12,11 @@ A step, on float32 [B, V] logits whose row i belongs to slots[i]:
 Every stage runs only over the rows that need it; top-k / top-p run only when a sampled row uses
 one of them, over a partial sort (topk) where that is exact. The sampled tokens are recorded in the
 slots' history before returning.
+Nothing here waits for the device (the worker launches the next step before it reads this one's
+tokens): row groups and parameters are planned on the host and uploaded without a sync, bad rows
+and logprobs come back as device tensors (SamplerOutput). One exception: a sampled row with top_p
+but no top_k makes the partial sort check that its nucleus fits (truncation.py), one device sync in
+such steps.
 Device memory: the history tensors of SlotTable (5 * max_slots * V bytes), plus per step a few
 float32 [B, V] temporaries (3 when sorting; a full sort adds its int64 indices).
 """
@@ -90,20 +95,16 @@ class Sampler:
     def sample(self, logits: torch.Tensor, slots: list[int]) -> SamplerOutput:
         check_logits(logits, slots, self.vocab_size)
         if not slots:
-            return SamplerOutput(torch.zeros(0, dtype=torch.int64, device=self.device), [], [])
+            empty = torch.zeros(0, dtype=torch.int64, device=self.device)
+            return SamplerOutput(empty, empty.bool())
         plan = plan_batch(self._table, slots)
         processed, bad = self._process(logits, plan)
         tokens = self._choose(processed, plan)
         penalised = plan.dev["penalised_rows"]
         self._table.record(plan.slots, plan.dev["penalised_slots"], tokens.index_select(0, penalised))
-        bad_rows = bad.nonzero().flatten().tolist()
         top_counts = self._table.top_logprobs[plan.slots[plan.logprob_rows]]
-        logprobs = gather_logprobs(
-            processed, tokens, plan.logprob_rows, plan.dev["logprob_rows"], top_counts, len(slots)
-        )
-        for row in bad_rows:
-            logprobs[row] = None
-        return SamplerOutput(tokens, logprobs, bad_rows)
+        logprobs = gather_logprobs(processed, tokens, plan.logprob_rows, plan.dev["logprob_rows"], top_counts)
+        return SamplerOutput(tokens, bad, logprobs)
 
     def _process(self, logits: torch.Tensor, plan: BatchPlan) -> tuple[torch.Tensor, torch.Tensor]:
         x = logits.to(torch.float32, copy=True)

@@ -30,7 +30,9 @@ def apply_top_k_top_p(
     is always kept and top_p >= 1 keeps everything (no float round-off at the tail).
     width: every row's top_k is <= width or off, so a partial sort of `width` tokens replaces the
     full one. verify: some row uses top_p without top_k and its nucleus may not fit in `width`
-    tokens; check (one device sync) and fall back to the full sort if one does not.
+    tokens; check (one device sync) and fall back to the full sort if one does not. This is the
+    sampler's only sync: no device-only fallback is cheaper than the full sort it avoids, so steps
+    with such rows are not overlapped with the next step's launch (the worker's pipeline waits).
     """
     vocab = logits.shape[-1]
     if width is not None and width < vocab:

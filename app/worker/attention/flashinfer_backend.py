@@ -1,0 +1,162 @@
+"""The flashinfer backend (CUDA, fp16/bf16): paged KV in NHD layout, our per-layer
+[num_blocks, block_size, Hkv, D] K and V tensors passed as a (k, v) tuple.
+
+plan() runs once per step and is shared by all layers: a step whose sequences all feed one token
+plans the batch-decode wrapper, any other step the batch-prefill wrapper with a causal mask
+(flashinfer aligns it to the end of each context, so a chunk after a cached prefix sees the whole
+prefix). The page list flashinfer reads (CSR indptr/indices/last_page_len) is built from the block
+tables on the device by a Triton kernel. K/V rows are written by our fused write kernel.
+
+CUDA graphs: each captured decode size gets its own decode wrapper in CUDA-graph mode with fixed
+indptr / last_page_len buffers and one page-index buffer shared by all sizes (one graph replays at a
+time); prepare_replay() re-plans it before every replay. The workspaces are shared by every wrapper
+for the same reason.
+
+Works with flashinfer-python 0.6.1 and 0.7.x (same wrapper constructors, plan and run keywords).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from app.worker.attention.base import AttentionBackend, AttentionBatch, AttentionMetadata, AttentionSpec
+from app.worker.kv_cache import KVCache
+
+WORKSPACE_BYTES = 128 << 20
+INT_WORKSPACE_BYTES = 8 << 20
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)  # the head sizes flashinfer's paged kernels are built for
+
+
+def import_flashinfer() -> Any:
+    try:
+        import flashinfer
+    except ImportError as exc:
+        raise ValueError(
+            "attention backend 'flashinfer' needs the flashinfer-python package (the gpu extra: "
+            "pip install 'flashinfer-python==0.6.1')"
+        ) from exc
+    return flashinfer
+
+
+def flashinfer_available() -> bool:
+    try:
+        import_flashinfer()
+    except ValueError:
+        return False
+    return True
+
+
+@dataclass
+class FlashInferMetadata(AttentionMetadata):
+    wrapper: Any = None
+
+
+class FlashInferAttentionBackend(AttentionBackend):
+    name = "flashinfer"
+    supports_cuda_graphs = True
+
+    def __init__(self, kv_cache: KVCache, spec: AttentionSpec) -> None:
+        super().__init__(kv_cache, spec)
+        self.device = kv_cache.k[0].device
+        self.dtype = kv_cache.spec.dtype
+        if self.device.type != "cuda":
+            raise ValueError("attention backend 'flashinfer' needs a CUDA device")
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(
+                f"attention backend 'flashinfer' supports float16 and bfloat16, not {self.dtype}; "
+                "use --attention-backend triton"
+            )
+        if spec.head_dim not in SUPPORTED_HEAD_DIMS:
+            raise ValueError(
+                f"attention backend 'flashinfer' supports head_dim {SUPPORTED_HEAD_DIMS}, not {spec.head_dim}; "
+                "use --attention-backend triton"
+            )
+        self.fi = import_flashinfer()
+        from tokenspeed_kernels.kv_write import write_kv
+        from tokenspeed_kernels.page_table import flatten_block_tables
+
+        self._write = write_kv
+        self._flatten = flatten_block_tables
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self.int_workspace = torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self.decode_wrapper = self._share(self.fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD"))
+        self.prefill_wrapper = self._share(self.fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD"))
+        self._graph_indices: torch.Tensor | None = None
+
+    def _share(self, wrapper: Any) -> Any:
+        wrapper.reset_workspace_buffer(self.workspace, self.int_workspace)
+        return wrapper
+
+    # ------------------------------------------------------------------ planning
+
+    def _pages(self, batch: AttentionBatch) -> tuple[torch.Tensor, ...]:
+        """(indptr host, indices device, last_page_len host) of the batch's contexts."""
+        size = batch.block_size
+        counts = [(n + size - 1) // size for n in batch.seq_lens]
+        indptr = torch.zeros(len(counts) + 1, dtype=torch.int32)
+        torch.cumsum(torch.tensor(counts, dtype=torch.int32), 0, out=indptr[1:])
+        last = torch.tensor([(n - 1) % size + 1 for n in batch.seq_lens], dtype=torch.int32)
+        indptr_dev = indptr.to(self.device, non_blocking=True)
+        indices = self._flatten(batch.block_tables, indptr_dev, int(indptr[-1]))
+        return indptr, indices, last
+
+    def _plan_decode(self, wrapper: Any, batch: AttentionBatch) -> None:
+        indptr, indices, last = self._pages(batch)
+        s = self.spec
+        wrapper.plan(
+            indptr, indices, last, s.num_heads, s.num_kv_heads, s.head_dim, batch.block_size,
+            q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=s.scale,
+        )  # fmt: skip
+
+    def plan(self, batch: AttentionBatch) -> FlashInferMetadata:
+        starts = batch.query_start_loc
+        if all(hi - lo == 1 for lo, hi in zip(starts, starts[1:], strict=False)):
+            self._plan_decode(self.decode_wrapper, batch)
+            return FlashInferMetadata(backend=self, batch=batch, wrapper=self.decode_wrapper)
+        indptr, indices, last = self._pages(batch)
+        s = self.spec
+        self.prefill_wrapper.plan(
+            torch.tensor(starts, dtype=torch.int32), indptr, indices, last,
+            s.num_heads, s.num_kv_heads, s.head_dim, batch.block_size,
+            causal=True, sm_scale=s.scale, q_data_type=self.dtype, kv_data_type=self.dtype,
+        )  # fmt: skip
+        return FlashInferMetadata(backend=self, batch=batch, wrapper=self.prefill_wrapper)
+
+    # ------------------------------------------------------------------ CUDA graphs
+
+    def capture_metadata(self, batch: AttentionBatch) -> FlashInferMetadata:
+        size, width = batch.num_seqs, batch.block_tables.shape[1]
+        if self._graph_indices is None or self._graph_indices.numel() < size * width:
+            # Sized for the first (largest) capture: every later, smaller size fits in it.
+            self._graph_indices = torch.zeros(size * width, dtype=torch.int32, device=self.device)
+        wrapper = self._share(
+            self.fi.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace,
+                "NHD",
+                use_cuda_graph=True,
+                paged_kv_indptr_buffer=torch.zeros(size + 1, dtype=torch.int32, device=self.device),
+                paged_kv_indices_buffer=self._graph_indices,
+                paged_kv_last_page_len_buffer=torch.zeros(size, dtype=torch.int32, device=self.device),
+            )
+        )
+        meta = FlashInferMetadata(backend=self, batch=batch, wrapper=wrapper)
+        self.prepare_replay(meta, batch)
+        return meta
+
+    def prepare_replay(self, meta: AttentionMetadata, batch: AttentionBatch) -> None:
+        assert isinstance(meta, FlashInferMetadata)
+        self._plan_decode(meta.wrapper, batch)
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        assert isinstance(meta, FlashInferMetadata)
+        k_cache, v_cache = self.kv_cache.k[layer_idx], self.kv_cache.v[layer_idx]
+        self._write(k, v, k_cache, v_cache, meta.batch.slot_mapping)
+        return meta.wrapper.run(q.contiguous(), (k_cache, v_cache))

@@ -1,0 +1,216 @@
+"""CUDA graphs for decode steps.
+
+Decode steps (every sequence feeds one token) of up to the largest capture size replay a captured
+graph of the model's forward and LM head. A batch of B sequences runs the graph of the smallest
+captured size G >= B; the G - B pad rows read and write only a scratch block (the KV cache holds one
+block beyond the pool the scheduler manages), with a context of one token. Everything the graph
+reads lives in persistent buffers updated in place before each replay (input ids, positions, KV
+slots, block tables, context lengths); the attention backend re-plans what it plans on the host
+(prepare_replay). Logits land in one static [G_max, vocab] buffer shared by all graphs; sampling
+runs outside the graph.
+
+All graphs share one memory pool, captured largest first so the smaller ones reuse its blocks; they
+never run concurrently.
+
+The worker queues step N+1 while step N runs. Staging writes the persistent buffers with device ops
+in stream order, so that is safe; a backend that plans a replay on the host, through page-locked
+buffers it reuses (flashinfer), is guarded by a PlanFence.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from app.worker.attention import AttentionBackend, AttentionBatch, AttentionMetadata
+from app.worker.sampling.transfer import upload
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_CAPTURE_SIZE = 256
+
+
+def capture_sizes(explicit: list[int] | None, max_size: int | None, max_num_seqs: int) -> list[int]:
+    """The batch sizes to capture, ascending: --cudagraph-capture-sizes if given, else 1, 2, 4, 8 and
+    every multiple of 8 up to the cap; the cap is --max-cudagraph-capture-size (default 256), never
+    above max_num_seqs (no decode batch is larger)."""
+    cap = min(max_size if max_size is not None else DEFAULT_MAX_CAPTURE_SIZE, max_num_seqs)
+    if explicit:
+        bad = [s for s in explicit if not isinstance(s, int) or s < 1]
+        if bad:
+            raise ValueError(f"--cudagraph-capture-sizes must be positive integers, got {bad}")
+        sizes = sorted({s for s in explicit if s <= cap})
+        dropped = sorted({s for s in explicit if s > cap})
+        if dropped:
+            logger.info("CUDA graphs: not capturing sizes %s (above the cap of %d)", dropped, cap)
+        return sizes
+    sizes = [s for s in (1, 2, 4, 8) if s <= cap] + list(range(16, cap + 1, 8))
+    if cap not in sizes:
+        sizes.append(cap)
+    return sizes
+
+
+class PlanFence:
+    """Orders an attention backend's host-side plan buffers across pipelined steps.
+
+    A plan may fill a page-locked host buffer that a copy queued on the stream moves to the device
+    (flashinfer); planning again before the GPU ran that copy would overwrite what the previous
+    step still has to read. before_plan() waits until the GPU has run the previous plan's copies,
+    i.e. it has reached the previous step's forward (which then keeps it busy); after_plan() marks
+    them. No-ops off CUDA, where nothing is asynchronous.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._planned = torch.cuda.Event() if device.type == "cuda" else None
+
+    def before_plan(self) -> None:
+        if self._planned is not None:
+            self._planned.synchronize()  # returns at once before the first record
+
+    def after_plan(self) -> None:
+        if self._planned is not None:
+            self._planned.record()
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    meta: AttentionMetadata
+    batch: AttentionBatch
+
+
+class DecodeGraphs:
+    """Captured decode graphs over persistent input buffers (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        backend: AttentionBackend,
+        sizes: list[int],
+        max_blocks: int,
+        block_size: int,
+        scratch_block: int,
+        vocab_size: int,
+        device: torch.device,
+    ) -> None:
+        if not sizes:
+            raise ValueError("DecodeGraphs needs at least one capture size")
+        self.model = model
+        self.backend = backend
+        self.sizes = sorted(sizes)
+        self.block_size = block_size
+        self.scratch_block = scratch_block
+        self.device = device
+        largest = self.sizes[-1]
+        self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(largest, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full(
+            (largest,), scratch_block * block_size, dtype=torch.int64, device=device
+        )
+        self.block_tables = torch.full((largest, max_blocks), scratch_block, dtype=torch.int32, device=device)
+        self.seq_lens = torch.ones(largest, dtype=torch.int32, device=device)
+        self.logits = torch.zeros(largest, vocab_size, dtype=torch.float32, device=device)
+        self.graphs: dict[int, _Captured] = {}
+        self.fence = PlanFence(device)
+        self.memory_bytes = 0
+        self.capture_seconds = 0.0
+
+    @property
+    def max_size(self) -> int:
+        return self.sizes[-1]
+
+    def size_for(self, batch_size: int) -> int | None:
+        """The captured size a batch of batch_size decodes runs in (None: larger than any)."""
+        for size in self.sizes:
+            if size >= batch_size:
+                return size
+        return None
+
+    def _batch(self, size: int, seq_lens: list[int]) -> AttentionBatch:
+        return AttentionBatch(
+            query_start_loc=list(range(size + 1)),
+            seq_lens=seq_lens,
+            seq_lens_tensor=self.seq_lens[:size],
+            block_tables=self.block_tables[:size],
+            positions=self.positions[:size],
+            slot_mapping=self.slot_mapping[:size],
+            block_size=self.block_size,
+        )
+
+    def _forward(self, size: int, meta: AttentionMetadata) -> None:
+        hidden = self.model(self.input_ids[:size], self.positions[:size], meta)
+        self.logits[:size].copy_(self.model.compute_logits(hidden))
+
+    def capture(self) -> None:
+        """Capture every size on the pad-row state (all rows on the scratch block)."""
+        started = time.perf_counter()
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_reserved(self.device)
+        pool = torch.cuda.graph_pool_handle()
+        with torch.no_grad():
+            for size in reversed(self.sizes):
+                batch = self._batch(size, [1] * size)
+                meta = self.backend.capture_metadata(batch)
+                self._forward(size, meta)  # compiles / warms the kernels outside the capture
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._forward(size, meta)
+                self.graphs[size] = _Captured(graph, meta, batch)
+        torch.cuda.synchronize(self.device)
+        self.memory_bytes = torch.cuda.memory_reserved(self.device) - before
+        self.capture_seconds = time.perf_counter() - started
+
+    def stage(
+        self,
+        slots: list[int],
+        seq_lens: list[int],
+        block_tables: torch.Tensor,
+        last_token: torch.Tensor,
+    ) -> int:
+        """Write one decode step into the persistent buffers: rows [0, B) are the slots (context lengths
+        after the step), rows [B, G) pad rows on the scratch block. block_tables [max_slots, W] and
+        last_token [max_slots] are the runner's per-slot device state. Returns G."""
+        num = len(slots)
+        size = self.size_for(num)
+        if size is None:
+            raise ValueError(f"a decode batch of {num} exceeds the largest captured size {self.max_size}")
+        pad = size - num
+        dev = upload([seq_lens + [1] * pad, slots + [0] * pad], torch.int64, self.device)
+        lens, index = dev[0], dev[1, :num]
+        self.seq_lens[:size].copy_(lens)
+        torch.sub(lens, 1, out=self.positions[:size])
+        torch.index_select(block_tables, 0, index, out=self.block_tables[:num])
+        torch.index_select(last_token, 0, index, out=self.input_ids[:num])
+        if pad:
+            self.block_tables[num:size, 0] = self.scratch_block
+            self.input_ids[num:size] = 0
+        positions = self.positions[:size]
+        blocks = self.block_tables[:size].gather(1, (positions // self.block_size).unsqueeze(1)).squeeze(1)
+        torch.add(
+            positions % self.block_size,
+            blocks.to(torch.int64) * self.block_size,
+            out=self.slot_mapping[:size],
+        )
+        return size
+
+    def run(
+        self,
+        slots: list[int],
+        seq_lens: list[int],
+        block_tables: torch.Tensor,
+        last_token: torch.Tensor,
+    ) -> torch.Tensor:
+        """One decode step (see stage); returns logits [B, vocab], a view of the static buffer that the
+        next replay overwrites."""
+        size = self.stage(slots, seq_lens, block_tables, last_token)
+        captured = self.graphs[size]
+        captured.batch.seq_lens = seq_lens + [1] * (size - len(slots))
+        self.fence.before_plan()
+        self.backend.prepare_replay(captured.meta, captured.batch)
+        self.fence.after_plan()
+        captured.graph.replay()
+        return self.logits[: len(slots)]

@@ -1,0 +1,109 @@
+"""The FP8 GEMM: y = (x quantized per token or per tensor) @ (FP8 weight with per-channel scales)^T.
+
+Two implementations of the same numbers:
+- SCALED_MM_*: `torch._scaled_mm` on CUDA GPUs with FP8 tensor cores (compute capability >= 8.9).
+  SM90+ (Hopper) uses row-wise scales: scale_a [M, 1] per token, scale_b [1, N] per output channel,
+  bf16 output (the only row-wise output type). SM89 (Ada) has per-tensor scaling only: unit scales,
+  a float32 product of the codes, then the same [M, 1] x [1, N] scales. _scaled_mm wants the second
+  operand column-major: the [N, K] row-major weight transposed is exactly that, without a copy;
+  K and N must be multiples of 16 (layers that are not fall back to EMULATED).
+- EMULATED: anywhere else (CPU, older GPUs): the codes cast to the activation dtype (exact: every
+  e4m3 value is a bf16/fp16/fp32 value), one matmul, the scales applied in float32. The activations
+  go through the same FP8 rounding, so CPU tests see the numerics the GPU runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from app.worker.quantization.fp8 import FP8_DTYPE, quantize, quantize_rows
+
+SCALED_MM_ROWWISE = "scaled_mm_rowwise"  # SM90+
+SCALED_MM_TENSORWISE = "scaled_mm_tensorwise"  # SM89
+EMULATED = "emulated"
+BACKENDS = (SCALED_MM_ROWWISE, SCALED_MM_TENSORWISE, EMULATED)
+
+
+def gemm_backend(device: torch.device, in_features: int, out_features: int) -> str:
+    """The implementation a layer of these dimensions uses on this device (chosen once, at load)."""
+    if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
+        return EMULATED
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9) or in_features % 16 or out_features % 16:
+        return EMULATED
+    return SCALED_MM_ROWWISE if capability >= (9, 0) else SCALED_MM_TENSORWISE
+
+
+def quantize_input(x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] activations -> (FP8 codes, float32 scales [M, 1]): per token, or the static scale."""
+    if input_scale is None:
+        return quantize_rows(x)
+    scale = input_scale.reshape(1, 1).expand(x.shape[0], 1).contiguous()
+    return quantize(x, input_scale), scale
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    backend: str,
+) -> torch.Tensor:
+    """x [..., K] in the model dtype, weight [N, K] FP8, weight_scale [1, N] float32 -> [..., N]."""
+    if weight.dtype != FP8_DTYPE:
+        raise TypeError(f"fp8_linear needs {FP8_DTYPE} weights, got {weight.dtype}")
+    lead = x.shape[:-1]
+    xq, x_scale = quantize_input(x.reshape(-1, x.shape[-1]), input_scale)
+    if backend == SCALED_MM_ROWWISE:
+        y = _scaled_mm_rowwise(xq, x_scale, weight, weight_scale, x.dtype)
+    elif backend == SCALED_MM_TENSORWISE:
+        y = _scaled_mm_tensorwise(xq, x_scale, weight, weight_scale, x.dtype)
+    elif backend == EMULATED:
+        y = _emulated(xq, x_scale, weight, weight_scale, x.dtype)
+    else:
+        raise ValueError(f"unknown FP8 GEMM backend {backend!r}")
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*lead, weight.shape[0])
+
+
+def _emulated(
+    xq: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    acc = torch.mm(xq.to(dtype), weight.to(dtype).t())
+    return (acc.float() * x_scale * weight_scale).to(dtype)
+
+
+def _scaled_mm_rowwise(
+    xq: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    # Row-major codes, column-major weight view, contiguous float32 scales: what the kernel asks for.
+    y = torch._scaled_mm(
+        xq.contiguous(),
+        weight.t(),
+        scale_a=x_scale.contiguous(),
+        scale_b=weight_scale,
+        out_dtype=torch.bfloat16,
+    )
+    return y.to(dtype)
+
+
+def _scaled_mm_tensorwise(
+    xq: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    one = torch.ones((), dtype=torch.float32, device=xq.device)
+    acc = torch._scaled_mm(xq.contiguous(), weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    return (acc * x_scale * weight_scale).to(dtype)

@@ -1,0 +1,217 @@
+#!/usr/bin/env python3
+"""Fixed-batch latency of the model runner, in process (no scheduler, no HTTP).
+
+B random prompts of --input-len tokens are prefilled (in plans of at most --chunked-prefill-size
+tokens), then decoded for --output-len - 1 steps, all greedy. Reported: start-to-ready seconds,
+prefill time, per-step decode wall time (ModelRunner.execute, host work and sampling included;
+median, p90, mean), the batch's decode tokens/s from the median, and, with CUDA graphs, the graph
+replay alone timed with CUDA events (the GPU-side step). On CUDA the copy bandwidth (bytes/s, read +
+write) is measured in the same process (or given by --copy-bandwidth) for the weight-read roofline
+(bandwidth / weight bytes steps per second) and the ratio of the measured step rate to it.
+
+  python scripts/bench_latency.py --model configs/models/llama-3.1-8b --load-format dummy \\
+      --dtype bfloat16 --batch-size 1 --input-len 512 --output-len 128 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from app.protocol import NewSeq, SamplingParams, SeqChunk, StepPlan  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
+
+
+def runner_settings(args: argparse.Namespace, **overrides: Any) -> Any:
+    """A validated Settings for the runner from the common benchmark flags."""
+    from app.config import Settings
+
+    fields: dict[str, Any] = {
+        "model": args.model,
+        "load_format": args.load_format,
+        "dtype": args.dtype,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "enforce_eager": args.enforce_eager,
+        "block_size": args.block_size,
+        "seed": 0,
+    }
+    if args.attention_backend:
+        fields["attention_backend"] = args.attention_backend
+    if args.max_model_len:
+        fields["max_model_len"] = args.max_model_len
+    fields.update(overrides)
+    return Settings(**fields)
+
+
+def add_common_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="model dir (config.json; weights unless dummy)")
+    parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--attention-backend", default=None)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--json", default=None, help="write the results here")
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    return {
+        "mean": statistics.fmean(values),
+        "p50": statistics.median(values),
+        "p90": percentile(values, 90),
+        "p99": percentile(values, 99),
+    }
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_graph_replay(runner: Any, batch: int, iters: int = 50) -> float | None:
+    """Median ms of one replay of the batch's captured graph (its inputs as the last step left them)."""
+    graphs = runner.graphs
+    size = graphs.size_for(batch) if graphs is not None else None
+    if size is None:
+        return None
+    graph = graphs.graphs[size].graph
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device, iters: int = 10) -> float:
+    """Device-to-device copy of 2 GiB, bytes read + written per second (median): the roofline's
+    denominator, measured in the same process as the benchmark it judges."""
+    src = torch.randn(1 << 29, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * src.numel() * src.element_size() / statistics.median(times)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from app.worker.model_runner import ModelRunner
+
+    started = time.perf_counter()
+    device = torch.device(args.device)
+    need = args.input_len + args.output_len
+    settings = runner_settings(
+        args,
+        max_num_seqs=args.batch_size,
+        max_model_len=args.max_model_len or need,
+        chunked_prefill_size=max(args.chunked_prefill_size, args.input_len),
+    )
+    runner = ModelRunner(settings, device)
+    device = runner.device  # with its index
+    runner.warmup()
+    ready_s = time.perf_counter() - started
+    blocks = math.ceil(need / runner.block_size)
+    if blocks * args.batch_size > runner.pool.num_blocks:
+        raise SystemExit(
+            f"the KV pool holds {runner.pool.num_blocks} blocks; the batch needs {blocks * args.batch_size}"
+        )
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, runner.vocab_size, (args.batch_size, args.input_len), generator=gen).tolist()
+    seqs = [
+        NewSeq(b, f"r{b}", GREEDY, args.input_len, list(range(b * blocks, (b + 1) * blocks)), prompt_ids=p)
+        for b, p in enumerate(prompts)
+    ]
+    per_plan = max(1, settings.chunked_prefill_size // args.input_len)
+    sync(device)
+    t0 = time.perf_counter()
+    for first in range(0, args.batch_size, per_plan):
+        group = seqs[first : first + per_plan]
+        runner.execute(
+            StepPlan(step=0, new_seqs=group, chunks=[SeqChunk(s.slot, prompts[s.slot]) for s in group])
+        )
+    sync(device)
+    prefill_ms = (time.perf_counter() - t0) * 1e3
+    decode_plan = StepPlan(step=1, chunks=[SeqChunk(b) for b in range(args.batch_size)])
+    step_ms = []
+    for _ in range(args.output_len - 1):
+        t0 = time.perf_counter()
+        runner.execute(decode_plan)  # returns after the sampled ids reached the host
+        step_ms.append((time.perf_counter() - t0) * 1e3)
+    measured = step_ms[args.warmup_steps :] or step_ms
+    stats = summary(measured)
+    replay_ms = time_graph_replay(runner, args.batch_size) if device.type == "cuda" else None
+    result: dict[str, Any] = {
+        "model": args.model,
+        "attention_backend": runner.attention_backend_name,
+        "cuda_graphs": runner.graphs is not None,
+        "batch_size": args.batch_size,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "weights_gb": runner.weights_bytes / 1e9,
+        "start_to_ready_s": ready_s,
+        "prefill_ms": prefill_ms,
+        "decode_step_ms": stats,
+        "decode_tokens_per_s": args.batch_size * 1e3 / stats["p50"],
+        "graph_replay_ms": replay_ms,
+        "graph_tokens_per_s": args.batch_size * 1e3 / replay_ms if replay_ms else None,
+    }
+    bandwidth = args.copy_bandwidth or (copy_bandwidth(device) if device.type == "cuda" else None)
+    if bandwidth:
+        # Steps/s if a step only read the weights once at copy speed; the ratio compares step times.
+        roofline = bandwidth / runner.weights_bytes
+        result["copy_bandwidth_bytes_per_s"] = bandwidth
+        result["roofline_tokens_per_s_batch1"] = roofline
+        result["ratio_to_roofline"] = result["decode_tokens_per_s"] / (roofline * args.batch_size)
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_common_flags(parser)
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--chunked-prefill-size", type=int, default=8192)
+    parser.add_argument("--warmup-steps", type=int, default=5, help="decode steps left out of the statistics")
+    parser.add_argument(
+        "--copy-bandwidth", type=float, default=None, help="bytes/s (read + write); default: measure"
+    )
+    args = parser.parse_args(argv)
+    result = run(args)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

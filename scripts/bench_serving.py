@@ -1,0 +1,204 @@
+#!/usr/bin/env python3
+"""Load generator for any OpenAI-compatible server (in the manner of `vllm bench serve`).
+
+Sends --num-prompts streaming requests to /v1/completions (or /v1/chat/completions with
+--endpoint chat) with random prompts of --input-len tokens (token ids, or random words with
+--prompt-type text) and exactly --output-len new tokens (max_tokens plus ignore_eos and min_tokens,
+which vLLM, SGLang and this appliance accept). Arrivals are a Poisson process at --request-rate
+requests/s (inf: all at once), at most --max-concurrency in flight. Reports TTFT, TPOT, ITL and
+end-to-end latency (mean, p50, p90, p99, in ms), request and token throughput; writes JSON.
+
+  python scripts/bench_serving.py --base-url http://127.0.0.1:8000 --num-prompts 200 \\
+      --input-len 512 --output-len 128 --request-rate 8 --json serving.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+WORDS = "the of and to in is was for on that with as by at from his her an were are which this be".split()
+
+
+@dataclass
+class Outcome:
+    ok: bool = False
+    error: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+def stats_ms(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    ms = [v * 1e3 for v in values]
+    return {"mean": statistics.fmean(ms), "p50": statistics.median(ms), "p90": percentile(ms, 90),
+            "p99": percentile(ms, 99)}  # fmt: skip
+
+
+def make_prompt(args: argparse.Namespace, rng: random.Random) -> Any:
+    if args.prompt_type == "ids":
+        return [rng.randrange(args.min_token_id, args.vocab_size) for _ in range(args.input_len)]
+    return " ".join(rng.choice(WORDS) for _ in range(args.input_len))  # about one token per word
+
+
+def request_body(args: argparse.Namespace, prompt: Any) -> tuple[str, dict[str, Any]]:
+    body: dict[str, Any] = {
+        "model": args.model,
+        "max_tokens": args.output_len,
+        "temperature": args.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": args.ignore_eos,
+        "min_tokens": args.output_len if args.ignore_eos else 0,
+    }
+    if args.endpoint == "chat":
+        text = prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
+        return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": text}]}
+    return "/v1/completions", {**body, "prompt": prompt}
+
+
+async def one_request(client: httpx.AsyncClient, args: argparse.Namespace, prompt: Any) -> Outcome:
+    path, body = request_body(args, prompt)
+    out = Outcome()
+    start = last = time.perf_counter()
+    chunks = 0
+    try:
+        async with client.stream("POST", path, json=body) as resp:
+            if resp.status_code != 200:
+                out.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return out
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("usage"):
+                    out.prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
+                    out.output_tokens = chunk["usage"].get("completion_tokens", 0)
+                # A chunk that carries a choice carries a token; its text can be empty (a partial UTF-8
+                # character held back, or a server started with --skip-tokenizer-init).
+                if not chunk.get("choices"):
+                    continue
+                now = time.perf_counter()
+                if chunks == 0:
+                    out.ttft = now - start
+                else:
+                    out.itl.append(now - last)
+                last, chunks = now, chunks + 1
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        out.error = f"{type(exc).__name__}: {exc}"
+        return out
+    out.e2e = time.perf_counter() - start
+    out.output_tokens = out.output_tokens or chunks
+    out.ok = chunks > 0
+    out.error = "" if out.ok else "no tokens streamed"
+    return out
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=args.max_concurrency or 10_000)
+    async with httpx.AsyncClient(
+        base_url=args.base_url, headers=headers, timeout=None, limits=limits
+    ) as client:
+        if args.model is None:
+            args.model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        rng = random.Random(args.seed)
+        prompts = [make_prompt(args, rng) for _ in range(args.num_prompts)]
+        gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+
+        async def limited(prompt: Any) -> Outcome:
+            if gate is None:
+                return await one_request(client, args, prompt)
+            async with gate:
+                return await one_request(client, args, prompt)
+
+        tasks = []
+        started = time.perf_counter()
+        for prompt in prompts:
+            tasks.append(asyncio.create_task(limited(prompt)))
+            if math.isfinite(args.request_rate):
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        outcomes = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - started
+    return summarize(args, outcomes, duration)
+
+
+def summarize(args: argparse.Namespace, outcomes: list[Outcome], duration: float) -> dict[str, Any]:
+    ok = [o for o in outcomes if o.ok]
+    tpot = [(o.e2e - o.ttft) / (o.output_tokens - 1) for o in ok if o.output_tokens > 1]
+    output_tokens = sum(o.output_tokens for o in ok)
+    prompt_tokens = sum(o.prompt_tokens for o in ok)
+    return {
+        "base_url": args.base_url, "model": args.model, "endpoint": args.endpoint,
+        "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
+        "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
+        "completed": len(ok), "failed": len(outcomes) - len(ok),
+        "errors": sorted({o.error for o in outcomes if not o.ok})[:5],
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
+        "output_token_throughput": output_tokens / duration,
+        "total_token_throughput": (output_tokens + prompt_tokens) / duration,
+        "total_output_tokens": output_tokens, "total_prompt_tokens": prompt_tokens,
+        "ttft_ms": stats_ms([o.ttft for o in ok]),
+        "tpot_ms": stats_ms(tpot),
+        "itl_ms": stats_ms([gap for o in ok for gap in o.itl]),
+        "e2e_ms": stats_ms([o.e2e for o in ok]),
+    }  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", default=None, help="served model name (default: the first of /v1/models)")
+    parser.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--prompt-type", choices=["ids", "text"], default="ids")
+    parser.add_argument("--vocab-size", type=int, default=32000, help="token ids are drawn below this")
+    parser.add_argument("--min-token-id", type=int, default=100, help="and from this up (skips special ids)")
+    parser.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second")
+    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    result = asyncio.run(run(args))
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

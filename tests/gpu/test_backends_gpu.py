@@ -1,0 +1,194 @@
+"""Each attention backend and the CUDA-graph path on the GPU (skipped without CUDA).
+
+- float32 tiny models: greedy output equals transformers' (torch and triton; flashinfer has no fp32);
+- bfloat16 tiny model, every backend: the logits of every sampled position (prefills, then graphed
+  decodes) within TINY_REL_TOL of transformers' on the same tokens (relative L2 per row);
+- graphs vs eager: identical tokens when every batch size is a captured size (no pad rows change
+  the GEMM shapes) for triton and flashinfer;
+- kernels on CUDA against their torch references (the interpreter tests' twins);
+- Llama-3.1-8B shape, bf16 dummy weights shared with transformers: logits of a batch of prompts
+  (prefill, then graphed decodes) within LOGITS_REL_TOL of transformers' (relative L2 per row).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from app.worker.model_runner import ModelRunner
+from tests.gpu.test_model_runner_gpu import LLAMA_31_8B
+from tests.gpu.test_model_runner_gpu import settings as base_settings
+from tests.support.model_factory import build_tiny_model
+from tests.unit.test_model_runner import Request, ScriptedScheduler, hf_greedy, hf_model, prompts_for
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+CUDA = torch.device("cuda", 0)
+TINY_REL_TOL = 0.05
+LOGITS_REL_TOL = 0.05
+
+
+def _has_flashinfer() -> bool:
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+BACKENDS = ["torch", "triton", pytest.param("flashinfer", marks=pytest.mark.skipif(not _has_flashinfer(),
+                                                                                    reason="no flashinfer"))]  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def free_gpu_memory() -> Iterator[None]:
+    """Runners hold weights, KV cache and graphs: release them before the next test sizes its pool."""
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def settings(model_dir: Path, **overrides: Any) -> Any:
+    fields = {"enforce_eager": False, "cudagraph_capture_sizes": None, "max_cudagraph_capture_size": None}
+    fields.update(overrides)
+    return base_settings(model_dir, **fields)
+
+
+def run_requests(runner: ModelRunner, prompts: list[list[int]], new: int) -> dict[str, list[int]]:
+    sched = ScriptedScheduler(runner)
+    for i, prompt in enumerate(prompts):
+        sched.add(Request(f"r{i}", prompt, max_new=new, join_step=3 * i))
+    return sched.run()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_float32_greedy_parity(backend: str, arch: str, tmp_path: Path) -> None:
+    model_dir = build_tiny_model(arch, tmp_path, seed=2)
+    runner = ModelRunner(settings(model_dir, dtype="float32", block_size=4, attention_backend=backend), CUDA)
+    assert runner.ready_message().info["attention_backend"] == backend
+    assert (runner.graphs is not None) == (backend != "torch")
+    runner.warmup()
+    prompts = prompts_for(runner.vocab_size, [5, 41, 12])
+    outputs = run_requests(runner, prompts, 32)
+    for i, prompt in enumerate(prompts):
+        assert outputs[f"r{i}"] == hf_greedy(model_dir, prompt, 32, device="cuda"), f"r{i}"
+
+
+def logits_errors(runner: ModelRunner, reference: Any, prompts: list[list[int]], new: int) -> list[float]:
+    """Run the prompts (greedy, `new` tokens each), keeping the logits of every sampled position; then
+    the worst relative L2 error per prompt against the reference model fed the same tokens."""
+    seen: dict[str, list[torch.Tensor]] = {}  # request -> logits of its sampled positions, in order
+    sample = runner.sampler.sample
+    sched = ScriptedScheduler(runner)
+
+    def spy(logits: torch.Tensor, slots: list[int]) -> Any:
+        running = {
+            r.slot: r.rid for r in sched.requests.values() if r.registered and len(r.output) < r.max_new
+        }
+        for row, slot in enumerate(slots):  # slots are reused: map each to the request running in it
+            seen.setdefault(running[slot], []).append(logits[row].clone())
+        return sample(logits, slots)
+
+    runner.sampler.sample = spy
+    for i, prompt in enumerate(prompts):
+        sched.add(Request(f"r{i}", prompt, max_new=new, join_step=2 * i))
+    outputs = sched.run()
+    errors = []
+    for i, prompt in enumerate(prompts):
+        ours = torch.stack(seen[f"r{i}"])
+        with torch.no_grad():
+            ref = reference(torch.tensor([prompt + outputs[f"r{i}"]], device="cuda")).logits[0].float()
+        ref = ref[len(prompt) - 1 : len(prompt) - 1 + len(ours)]
+        errors.append(((ours - ref).norm(dim=1) / ref.norm(dim=1)).max().item())
+    return errors
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bfloat16_logits_close_to_transformers(backend: str, tmp_path: Path) -> None:
+    # head_dim 128: the flashinfer kernels JIT-compiled for the 8B shape serve this model too.
+    model_dir = build_tiny_model("llama", tmp_path, seed=4, head_dim=128, initializer_range=0.1)
+    runner = ModelRunner(settings(model_dir, dtype="bfloat16", attention_backend=backend), CUDA)
+    prompts = prompts_for(runner.vocab_size, [7, 70, 19])
+    errors = logits_errors(runner, hf_model(model_dir, "cuda", torch.bfloat16), prompts, 24)
+    print(f"tiny bf16 {backend}: logits relative L2 error, worst position per prompt: {errors}")
+    assert max(errors) < TINY_REL_TOL
+
+
+@pytest.mark.parametrize("backend", ["triton", pytest.param("flashinfer", marks=BACKENDS[2].marks)])
+def test_graph_and_eager_give_identical_tokens(backend: str, tmp_path: Path) -> None:
+    model_dir = build_tiny_model("llama", tmp_path, seed=6, head_dim=128)
+    common = {"dtype": "bfloat16", "attention_backend": backend, "max_num_seqs": 4}
+    graphed = ModelRunner(settings(model_dir, cudagraph_capture_sizes=[1, 2, 3, 4], **common), CUDA)
+    eager = ModelRunner(settings(model_dir, enforce_eager=True, **common), CUDA)
+    assert graphed.graphs is not None and eager.graphs is None
+    prompts = prompts_for(graphed.vocab_size, [9, 33, 4, 17], seed=3)
+    assert run_requests(graphed, prompts, 40) == run_requests(eager, prompts, 40)
+
+
+def test_kernels_on_cuda_match_references() -> None:
+    from tokenspeed_kernels import activation, decode_attention, prefill_attention, rmsnorm, rotary
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    k = torch.randn(40, 16, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(40, 16, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    table = torch.randperm(40, device="cuda", generator=gen).int().view(2, 20)
+    seq_lens = torch.tensor([300, 17], dtype=torch.int32, device="cuda")
+    q = torch.randn(2, 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    out = decode_attention.paged_decode_attention(q, k, v, table, seq_lens, 128**-0.5, 7)
+    ref = decode_attention.paged_decode_attention_reference(q, k, v, table, seq_lens, 128**-0.5)
+    assert float((out.float() - ref.float()).norm() / ref.float().norm()) < 1e-2
+    cu = torch.tensor([0, 100, 117], dtype=torch.int32, device="cuda")
+    qp = torch.randn(117, 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    out = prefill_attention.paged_prefill_attention(qp, k, v, table, cu, seq_lens, 100, 128**-0.5)
+    ref = prefill_attention.paged_prefill_attention_reference(qp, k, v, table, cu, seq_lens, 128**-0.5)
+    assert float((out.float() - ref.float()).norm() / ref.float().norm()) < 1e-2
+    x = torch.randn(5, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16, generator=gen)
+    torch.testing.assert_close(rmsnorm.rms_norm(x, w, 1e-5), rmsnorm.rms_norm_reference(x, w, 1e-5))
+    gu = torch.randn(5, 2 * 14336, device="cuda", dtype=torch.bfloat16, generator=gen)
+    torch.testing.assert_close(activation.silu_and_mul(gu), activation.silu_and_mul_reference(gu))
+    cos, sin = (
+        torch.randn(64, 64, device="cuda", generator=gen),
+        torch.randn(64, 64, device="cuda", generator=gen),
+    )
+    qr, kr = q.clone(), torch.randn(2, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    pos = torch.tensor([3, 60], device="cuda")
+    ref_q, ref_k = rotary.rotary_reference(qr, kr, cos, sin, pos)
+    rotary.rotary_inplace(qr, kr, cos, sin, pos)
+    # bf16 on CUDA: within an ulp of torch's (the interpreter tests show fp16/fp32 bit-exact).
+    torch.testing.assert_close(qr, ref_q)
+    torch.testing.assert_close(kr, ref_k)
+
+
+@pytest.fixture(scope="module")
+def llama_8b(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_dir = tmp_path_factory.mktemp("llama8b")
+    (model_dir / "config.json").write_text(json.dumps(LLAMA_31_8B))
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("cuda"):
+        hf = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    return model_dir, hf
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_llama_8b_logits_close_to_transformers(backend: str, llama_8b: tuple[Path, Any]) -> None:
+    from app.worker.loader.weights import load_tensors
+
+    model_dir, hf = llama_8b
+    runner = ModelRunner(
+        settings(model_dir, load_format="dummy", attention_backend=backend, max_model_len=2048,
+                 gpu_memory_utilization=0.5, max_num_seqs=4, chunked_prefill_size=2048),
+        CUDA,
+    )  # fmt: skip
+    load_tensors(runner.model, iter(hf.state_dict().items()))
+    errors = logits_errors(runner, hf, prompts_for(runner.vocab_size, [100, 37, 260, 5], seed=8), 6)
+    print(f"8B bf16 {backend}: logits relative L2 error, worst position per prompt: {errors}")
+    assert max(errors) < LOGITS_REL_TOL

@@ -1,0 +1,112 @@
+"""Pipelined worker steps on CUDA with graphs (skipped without CUDA): the same results as plain execute,
+no host sync when a decode step is launched on the common sampling paths, and the idle gap between
+decode steps reported (scripts/gpu/gpu_idle.py measures it at Llama-3.1-8B scale)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from app.protocol import NewSeq, SamplingParams, SeqChunk, StepPlan
+from app.worker.model_runner import ModelRunner
+from tests.gpu.test_model_runner_gpu import settings
+from tests.support.model_factory import build_tiny_model
+from tests.unit.test_worker_pipeline import plans_for, run_pipelined, run_plain
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+CUDA = torch.device("cuda", 0)
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model("llama", tmp_path_factory.mktemp("llama"), seed=5)
+
+
+def cuda_runner(model_dir: Path) -> ModelRunner:
+    """The unit tests' runner shape (4 slots, blocks of 4), on CUDA with the triton backend and graphs."""
+    runner = ModelRunner(
+        settings(model_dir, dtype="float32", block_size=4, max_num_seqs=4, chunked_prefill_size=16,
+                 max_total_tokens=4096, attention_backend="triton"),
+        CUDA,
+    )  # fmt: skip
+    assert runner.graphs is not None
+    return runner
+
+
+def count_replays(runner: ModelRunner) -> list[int]:
+    count = [0]
+    run = runner.graphs.run
+
+    def counted(*args: Any) -> torch.Tensor:
+        count[0] += 1
+        return run(*args)
+
+    runner.graphs.run = counted
+    return count
+
+
+def test_pipelined_steps_match_plain_execute_with_cuda_graphs(model_dir: Path) -> None:
+    runner = cuda_runner(model_dir)
+    reference = run_plain(runner, plans_for(runner))
+    assert all(r.error is None and not r.bad_slots for r in reference)
+    for depth in (1, 2):
+        runner = cuda_runner(model_dir)  # fresh sampler generators, as the reference had
+        replays = count_replays(runner)
+        assert run_pipelined(runner, plans_for(runner), depth) == reference, f"depth {depth}"
+        assert replays[0] > 10  # the decode steps ran as graph replays
+        assert not any(runner.slots.active)
+
+
+COMMON = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.8, top_k=20, seed=1),
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3),
+]
+
+
+def test_decode_launches_never_wait_for_the_device(model_dir: Path) -> None:
+    runner = cuda_runner(model_dir)
+    prompts = [[5 + s, 6, 7, 8 + s, 9] for s in range(len(COMMON))]
+    new = [NewSeq(s, f"r{s}", p, 5, [2 * s, 2 * s + 1], prompt_ids=prompts[s]) for s, p in enumerate(COMMON)]
+    runner.execute(StepPlan(0, new, [SeqChunk(s, prompts[s]) for s in range(len(COMMON))]))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            torch.zeros(1, device=CUDA).item()  # the detector is on
+        first = runner.launch(StepPlan(1, chunks=[SeqChunk(s) for s in range(len(COMMON))]))
+        second = runner.launch(StepPlan(2, chunks=[SeqChunk(s) for s in range(len(COMMON))]))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for step, pending in ((1, first), (2, second)):
+        result = runner.finish(pending)
+        assert result.step == step and result.slots == [0, 1, 2, 3] and not result.bad_slots
+        assert result.logprobs[3].token_id == result.token_ids[3] and len(result.logprobs[3].top_ids) == 3
+
+
+def gpu_idle_script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gpu_idle", REPO / "scripts/gpu/gpu_idle.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_idle_gap_between_decode_steps_is_reported(model_dir: Path) -> None:
+    script = gpu_idle_script()
+    runner = cuda_runner(model_dir)
+    args = SimpleNamespace(steps=60, warmup_steps=5, input_len=8, profile=False)
+    with torch.inference_mode():
+        rows = script.measure(runner, 4, "greedy", args)
+    print("\n" + script.table({"results": rows}))
+    plain, pipelined = rows
+    assert (plain["mode"], pipelined["mode"]) == ("plain", "pipelined") and pipelined["same_tokens_as_plain"]
+    for row in rows:
+        assert 0.0 <= row["idle_fraction"] < 1.0 and row["gpu_step_ms"] > 0 and row["graph_replay_ms"] > 0

@@ -1,0 +1,221 @@
+"""The reliability pieces in-process, without starting the appliance: the scheduler's admission bound and
+timeouts, the worker's failure policy and fault switch, heartbeats and liveness, the key checks."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import httpx
+import pytest
+import zmq
+
+from app import ipc
+from app import protocol as p
+from app.http import auth
+from app.http.liveness import liveness_check
+from app.http.server import build_app
+from app.lifecycle import Heartbeat
+from app.scheduler.scheduler import QueueFull, Scheduler, SchedulerConfig
+from app.worker.process import MAX_CONSECUTIVE_STEP_FAILURES, Fault, StepFailures, parse_faults, serve_steps
+from tests.unit.test_http_fakes import FakeEngine, settings
+
+
+def scheduler(**overrides: Any) -> Scheduler:
+    config = dict(num_blocks=64, block_size=4, max_model_len=64, max_num_seqs=2, chunked_prefill_size=64,
+                  max_prefill_tokens=64, enable_prefix_caching=True, eos_token_ids=(0,))
+    return Scheduler(SchedulerConfig(**{**config, **overrides}))
+
+
+def request(rid: str, arrival: float | None = None) -> p.TokenizedRequest:
+    return p.TokenizedRequest(rid, [1, 2, 3, 4, 5], p.SamplingParams(max_new_tokens=8), arrival or time.time())
+
+
+# ---------------------------------------------------------------- scheduler
+
+
+def test_the_scheduler_holds_at_most_max_num_seqs_plus_max_queued_requests() -> None:
+    sched = scheduler(max_queued_requests=3)
+    for i in range(5):
+        sched.add_request(request(f"r{i}"))
+    with pytest.raises(QueueFull, match="--max-queued-requests 3"):
+        sched.add_request(request("r5"))
+    sched.abort("r0")
+    sched.add_request(request("r5"))  # room again
+    assert len(sched.requests) == 5
+
+
+def test_timeouts_fail_requests_with_504_and_free_their_blocks() -> None:
+    sched = scheduler(request_timeout=10.0, ttft_timeout=2.0)
+    now = time.time()
+    sched.add_request(request("old", arrival=now - 11))
+    sched.add_request(request("waiting", arrival=now - 3))
+    sched.add_request(request("fresh", arrival=now))
+    plan = sched.schedule()  # old and waiting run (2 slots), fresh waits
+    assert plan is not None and sched.kv.num_used_blocks > 0
+    sched.process_result(p.StepResult(step=plan.step, slots=[c.slot for c in plan.chunks],
+                                      token_ids=[7] * len(plan.chunks)))  # both got a first token
+    deltas = {d.rid: d for d in sched.expire(time.time())}
+    assert set(deltas) == {"old"}  # "waiting" has its first token, so only the total limit applies
+    assert deltas["old"].error_code == 504 and "--request-timeout 10" in deltas["old"].error
+    sched.add_request(request("late", arrival=now - 5))  # queued, no token, past --ttft-timeout
+    deltas = {d.rid: d for d in sched.expire(time.time())}
+    assert set(deltas) == {"late"} and "--ttft-timeout 2" in deltas["late"].error
+    assert set(sched.requests) == {"waiting", "fresh"}
+    sched.abort_all()
+    assert sched.kv.num_used_blocks == 0
+
+
+def test_no_timeout_by_default() -> None:
+    sched = scheduler()
+    sched.add_request(request("ancient", arrival=time.time() - 10_000))
+    assert sched.expire(time.time()) == []
+
+
+# ---------------------------------------------------------------- worker
+
+
+def test_fault_specs() -> None:
+    assert parse_faults("raise:rid=boom-, delay:after=3:0.5,nan:rid=x") == [
+        Fault("raise", rid_prefix="boom-"), Fault("delay", after=3, seconds=0.5), Fault("nan", rid_prefix="x")]
+    for bad in ("explode:rid=x", "raise", "raise:rid=", "raise:after=x", "delay:rid=x", "raise:rid=x:1"):
+        with pytest.raises(ValueError, match="TOKENSPEED_TEST_FAULT"):
+            parse_faults(bad)
+
+
+class FlakyRunner:
+    """Fails the steps whose number is in `failing`."""
+
+    def __init__(self, failing: set[int]) -> None:
+        self.failing = failing
+
+    def execute(self, plan: p.StepPlan) -> p.StepResult:
+        if plan.step in self.failing:
+            raise RuntimeError(f"step {plan.step} broke")
+        return p.StepResult(step=plan.step)
+
+
+def _serve(runner: FlakyRunner, plans: list[p.StepPlan]) -> tuple[list[p.StepResult], BaseException | None]:
+    ctx = zmq.Context()
+    inbox, to_worker = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    results_in, results = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    inbox.bind("inproc://worker")
+    to_worker.connect("inproc://worker")
+    results_in.bind("inproc://results")
+    results.connect("inproc://results")
+    for plan in [*plans, p.Shutdown("done")]:
+        ipc.send(to_worker, plan)
+    error = None
+    try:
+        serve_steps(runner, inbox, results)
+    except StepFailures as exc:
+        error = exc
+    out = []
+    while results_in.poll(100):
+        out.append(ipc.recv(results_in))
+    ctx.destroy(linger=0)
+    return out, error
+
+
+def chunk_plan(step: int) -> p.StepPlan:
+    return p.StepPlan(step=step, chunks=[p.SeqChunk(slot=0, token_ids=[1])])
+
+
+def test_failed_steps_fail_their_requests_and_the_worker_recovers() -> None:
+    plans = [chunk_plan(0), chunk_plan(1), p.StepPlan(step=2, free_slots=[0]), chunk_plan(3), chunk_plan(4)]
+    results, error = _serve(FlakyRunner({0, 1, 3}), plans)
+    assert error is None and [r.step for r in results] == [0, 1, 2, 3, 4]
+    assert [r.error is not None for r in results] == [True, True, False, True, False]
+    assert "RuntimeError: step 0 broke" in results[0].error
+
+
+def test_consecutive_failures_end_the_worker_and_free_only_steps_do_not_count_as_success() -> None:
+    n = MAX_CONSECUTIVE_STEP_FAILURES
+    plans = [chunk_plan(0)] + [p.StepPlan(step=1, free_slots=[0])] + [chunk_plan(i) for i in range(2, n + 1)]
+    plans.append(chunk_plan(n + 1))  # never reached
+    results, error = _serve(FlakyRunner(set(range(n + 2)) - {1}), plans)
+    assert isinstance(error, StepFailures) and f"{n} consecutive steps failed" in str(error)
+    assert len(results) == n + 1 and all(r.error for r in results if r.step != 1)
+
+
+# ---------------------------------------------------------------- heartbeats and liveness
+
+
+def test_heartbeats_and_liveness(tmp_path) -> None:
+    beats = {name: Heartbeat.create(str(tmp_path), name) for name in ("tokenizer", "scheduler", "worker0")}
+    assert Heartbeat.attach(str(tmp_path), "nobody") is None
+    problem = liveness_check(beats, heartbeat_timeout=30.0, worker_heartbeat_timeout=0.4)
+    assert problem() is None
+    time.sleep(0.3)
+    beats["tokenizer"].beat()
+    beats["scheduler"].beat()
+    assert "worker0" in (problem() or "")  # silent for more than half of its 0.4 s timeout
+    Heartbeat.attach(str(tmp_path), "worker0").beat()  # another process's beat lands in the same file
+    assert problem() is None and beats["worker0"].age() < 0.1
+
+
+# ---------------------------------------------------------------- keys and capacity
+
+
+def test_keys_are_compared_as_equal_length_digests(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[tuple[int, int]] = []
+    real = auth.hmac.compare_digest
+
+    def spy(a: bytes, b: bytes) -> bool:
+        seen.append((len(a), len(b)))
+        return real(a, b)
+
+    monkeypatch.setattr(auth.hmac, "compare_digest", spy)
+    expected = auth.key_digest("the-real-key")
+    for presented in ("x", "the-real-key", "the-real-key" * 100, ""):
+        auth.key_matches(presented, expected)
+    assert seen == [(32, 32)] * 4  # no early exit on length: the key's length does not leak
+    assert auth.key_matches("the-real-key", expected) and not auth.key_matches(None, expected)
+
+
+def _status(app: Any, path: str, key: str | None, method: str = "GET") -> int:
+    async def run() -> int:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            return (await client.request(method, path, headers=headers)).status_code
+
+    return asyncio.run(run())
+
+
+def test_admin_key_semantics() -> None:
+    both = build_app(settings(api_key="api", admin_api_key="admin"), FakeEngine())
+    assert _status(both, "/flush_cache", "api") == 403
+    assert _status(both, "/flush_cache", "admin") == 200
+    assert _status(both, "/v1/models", "admin") == 200 and _status(both, "/v1/models", "api") == 200
+    assert _status(both, "/v1/models", None) == 401 and _status(both, "/health", None) == 200
+    admin_only = build_app(settings(admin_api_key="admin"), FakeEngine())
+    assert _status(admin_only, "/v1/models", None) == 200  # no --api-key: the API is open
+    assert _status(admin_only, "/flush_cache", None) == 401 and _status(admin_only, "/flush_cache", "admin") == 200
+    api_only = build_app(settings(api_key="api"), FakeEngine())
+    assert _status(api_only, "/flush_cache", "api") == 200  # without an admin key the API key opens control
+
+
+def test_a_request_bigger_than_the_capacity_is_a_400_and_a_full_server_a_503() -> None:
+    engine = FakeEngine(script=lambda req: None)  # never answers: requests stay in flight
+    app = build_app(settings(max_num_seqs=2, max_queued_requests=1), engine)
+    body = {"model": "tiny-model", "prompt": "hi", "max_tokens": 2}
+
+    async def run() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            too_big = await client.post("/v1/completions", json={**body, "n": 4})
+            pending = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(3)]
+            while engine.num_inflight < 3:
+                await asyncio.sleep(0.01)
+            full = await client.post("/v1/completions", json=body)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            return [too_big, full]
+
+    too_big, full = asyncio.run(run())
+    assert too_big.status_code == 400 and "at most 3" in too_big.json()["error"]["message"]
+    assert full.status_code == 503 and full.headers["retry-after"] == "5"
+    assert full.json()["error"]["code"] == "queue_full"

@@ -1,0 +1,80 @@
+"""Attention backend selection, CUDA-graph capture sizes and the graph input staging (no GPU needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.worker.attention import resolve_attention_backend
+from app.worker.attention.base import AttentionSpec
+from app.worker.cuda_graphs import DecodeGraphs, capture_sizes
+from app.worker.kv_cache import KVCache, KVCacheSpec
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+def test_default_backend_per_device_and_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    import app.worker.attention.flashinfer_backend as fi
+
+    assert resolve_attention_backend(None, CPU, torch.bfloat16, 128) == "torch"
+    monkeypatch.setattr(fi, "flashinfer_available", lambda: True)
+    assert resolve_attention_backend(None, CUDA, torch.bfloat16, 128) == "flashinfer"
+    assert resolve_attention_backend(None, CUDA, torch.bfloat16, 16) == "triton"  # not a flashinfer size
+    assert resolve_attention_backend(None, CUDA, torch.float32, 128) == "triton"  # flashinfer has no fp32
+    assert resolve_attention_backend(None, CUDA, torch.float8_e4m3fn, 128) == "torch"
+    monkeypatch.setattr(fi, "flashinfer_available", lambda: False)
+    assert resolve_attention_backend(None, CUDA, torch.bfloat16, 128) == "triton"
+
+
+def test_explicit_backends_by_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for name in ("triton", "flashinfer", "fa3"):
+        with pytest.raises(ValueError, match="not available on cpu; supported: torch"):
+            resolve_attention_backend(name, CPU, torch.float32)
+    assert resolve_attention_backend("torch", CPU, torch.float32) == "torch"
+    assert resolve_attention_backend("flashinfer", CUDA, torch.bfloat16) == "flashinfer"
+    with pytest.raises(ValueError, match="supported: flashinfer, torch, triton"):
+        resolve_attention_backend("mha", CUDA, torch.bfloat16)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the kernel tests run triton on the CPU this way
+    assert resolve_attention_backend("triton", CPU, torch.float32) == "triton"
+
+
+def test_flashinfer_backend_refuses_the_cpu_and_float32() -> None:
+    from app.worker.attention.flashinfer_backend import FlashInferAttentionBackend
+
+    cache = KVCache(KVCacheSpec(1, 2, 16, torch.float32), 4, 4, CPU)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        FlashInferAttentionBackend(cache, AttentionSpec(4, 2, 16, 0.25))
+
+
+def test_capture_sizes() -> None:
+    assert capture_sizes(None, None, 160) == [1, 2, 4, 8, *range(16, 161, 8)]
+    assert capture_sizes(None, None, 1000)[-1] == 256
+    assert capture_sizes(None, 20, 160) == [1, 2, 4, 8, 16, 20]
+    assert capture_sizes(None, None, 3) == [1, 2, 3]
+    assert capture_sizes([8, 1, 4, 4, 64], None, 32) == [1, 4, 8]  # deduplicated, capped by max_num_seqs
+    assert capture_sizes([1, 2, 16], 8, 32) == [1, 2]
+    with pytest.raises(ValueError, match="positive"):
+        capture_sizes([0, 4], None, 32)
+
+
+class _Unused:
+    """Stands in for the model and backend: staging touches neither."""
+
+
+def test_stage_fills_rows_and_pads_onto_the_scratch_block() -> None:
+    graphs = DecodeGraphs(_Unused(), _Unused(), [1, 4, 8], max_blocks=3, block_size=4, scratch_block=9,
+                          vocab_size=5, device=CPU)  # fmt: skip
+    tables = torch.tensor([[0, 0, 0], [5, 6, 7], [1, 2, 0]], dtype=torch.int32)  # per slot
+    last = torch.tensor([10, 11, 12])
+    size = graphs.stage([2, 1], [6, 9], tables, last)
+    assert size == 4 and graphs.size_for(9) is None
+    assert graphs.input_ids[:4].tolist() == [12, 11, 0, 0]
+    assert graphs.positions[:4].tolist() == [5, 8, 0, 0]
+    assert graphs.seq_lens[:4].tolist() == [6, 9, 1, 1]
+    assert graphs.block_tables[:2].tolist() == [[1, 2, 0], [5, 6, 7]]
+    assert graphs.block_tables[2:4, 0].tolist() == [9, 9]
+    assert graphs.slot_mapping[:4].tolist() == [2 * 4 + 1, 7 * 4 + 0, 36, 36]
+    # A smaller step after a larger one: stale rows beyond it are re-padded.
+    graphs.stage([1, 2, 0, 1][:3], [3, 3, 3], tables, last)
+    assert graphs.block_tables[3, 0] == 9 and graphs.seq_lens[3] == 1 and graphs.input_ids[3] == 0

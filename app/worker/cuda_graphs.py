@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from app.worker.attention import AttentionBackend, AttentionBatch, AttentionMetadata
-from app.worker.sampling.transfer import upload
+from app.worker.transfer import upload
 
 logger = logging.getLogger(__name__)
 

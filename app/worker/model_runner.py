@@ -62,7 +62,7 @@ from app.worker.quantization import (
 )
 from app.worker.sampling import SamplerOutput, make_sampler
 from app.worker.sampling.logprobs import DeviceLogprobs
-from app.worker.sampling.transfer import upload
+from app.worker.transfer import upload
 
 logger = logging.getLogger(__name__)
 

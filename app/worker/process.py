@@ -145,7 +145,12 @@ class InFlight:
 
     def ready(self) -> bool:
         """Whether its result can be had without waiting for the device."""
-        return self.result is not None or self.pending.ready()
+        if self.result is not None:
+            return True
+        try:
+            return self.pending.ready()
+        except Exception:  # a device fault: finish() meets it again and fails the step
+            return True
 
 
 class StepPipeline:

@@ -46,7 +46,7 @@ class Seq:
     done: bool = False
 
 
-def sequence_mix(prompt_scale: int = 1) -> list[Seq]:
+def sequence_mix() -> list[Seq]:
     """More sequences than slots, joining over time, with every sampling path the sampler has."""
     mix = [
         ("greedy", 21, 9, 0, SamplingParams(temperature=0.0)),
@@ -58,75 +58,84 @@ def sequence_mix(prompt_scale: int = 1) -> list[Seq]:
                                               repetition_penalty=1.2, logit_bias={5: 2.0}, min_new_tokens=2)),
         ("late-greedy", 17, 5, 6, SamplingParams(temperature=0.0, logprobs=True)),
     ]  # fmt: skip
-    return [Seq(rid, n * prompt_scale, new, join, params) for rid, n, new, join, params in mix]
+    return [Seq(rid, n, new, join, params) for rid, n, new, join, params in mix]
 
 
-def script_plans(
-    seqs: list[Seq], vocab: int, max_slots: int, num_blocks: int, block_size: int, budget: int
-) -> list[StepPlan]:
-    """The plans a scheduler would send: decodes first, then prefill chunks within `budget` tokens;
-    a sequence that has sampled its last token is freed in the next plan, its slot and blocks reusable
-    from the plan after (the runner releases freed slots after the step)."""
-    gen = torch.Generator().manual_seed(0)
-    prompts = {s.rid: torch.randint(3, vocab, (s.prompt_len,), generator=gen).tolist() for s in seqs}
-    free_blocks = torch.randperm(num_blocks, generator=gen).tolist()
-    free_slots = list(range(max_slots))
-    to_free: list[Seq] = []
-    plans: list[StepPlan] = []
-    while not all(s.done for s in seqs) or to_free:
-        plan = StepPlan(step=len(plans), free_slots=[s.slot for s in to_free])
-        released, to_free = to_free, []
-        room = budget
-        for seq in seqs:  # decodes: one token each, fed by the worker
+class PlanScript:
+    """The plans a scheduler would send: decodes first, then admissions and prefill chunks within a
+    token budget; a sequence that has sampled its last token is freed in the next plan, its slot and
+    blocks reusable from the plan after that (the runner releases freed slots after the step)."""
+
+    def __init__(self, seqs: list[Seq], vocab: int, max_slots: int, num_blocks: int, block_size: int,
+                 budget: int) -> None:  # fmt: skip
+        gen = torch.Generator().manual_seed(0)
+        self.seqs = seqs
+        self.prompts = {s.rid: torch.randint(3, vocab, (s.prompt_len,), generator=gen).tolist() for s in seqs}
+        self.free_blocks = torch.randperm(num_blocks, generator=gen).tolist()
+        self.free_slots = list(range(max_slots))
+        self.block_size = block_size
+        self.budget = budget
+        self.to_free: list[Seq] = []
+
+    def plans(self) -> list[StepPlan]:
+        plans: list[StepPlan] = []
+        while not all(s.done for s in self.seqs) or self.to_free:
+            plans.append(self._plan(len(plans)))
+            assert len(plans) < 500, "the script made no progress"
+        return plans
+
+    def _plan(self, step: int) -> StepPlan:
+        plan = StepPlan(step=step, free_slots=[s.slot for s in self.to_free])
+        released, self.to_free = self.to_free, []
+        room = self._decodes(plan, self.budget)
+        self._prefills(plan, room)
+        self._count_samples(plan)
+        for seq in released:
+            self.free_slots.append(seq.slot)
+            self.free_blocks += seq.blocks
+            seq.slot, seq.blocks = -1, []
+        return plan
+
+    def _decodes(self, plan: StepPlan, room: int) -> int:
+        """One token for every prefilled sequence, fed by the worker; returns the budget left."""
+        for seq in self.seqs:
             if seq.slot >= 0 and not seq.done and seq.fed == seq.prompt_len:
-                plan.chunks.append(SeqChunk(seq.slot, [], _grow(seq, seq.prompt_len + seq.produced, free_blocks,
-                                                                block_size)))  # fmt: skip
+                plan.chunks.append(SeqChunk(seq.slot, [], self._grow(seq, seq.prompt_len + seq.produced)))
                 room -= 1
-        for seq in seqs:  # admissions and prefill chunks
+        return room
+
+    def _prefills(self, plan: StepPlan, room: int) -> None:
+        for seq in self.seqs:
             if room <= 0:
-                break
-            if seq.slot < 0 and not seq.done and seq.join <= plan.step and free_slots:
-                seq.slot = free_slots.pop(0)
-                plan.new_seqs.append(NewSeq(seq.slot, seq.rid, seq.sampling, seq.prompt_len, [],
-                                            prompt_ids=prompts[seq.rid]))  # fmt: skip
+                return
+            if seq.slot < 0 and not seq.done and seq.join <= plan.step and self.free_slots:
+                seq.slot = self.free_slots.pop(0)
+                blocks = self._grow(seq, min(room, seq.prompt_len))  # its first chunk's, in the NewSeq
+                plan.new_seqs.append(NewSeq(seq.slot, seq.rid, seq.sampling, seq.prompt_len, blocks,
+                                            prompt_ids=self.prompts[seq.rid]))  # fmt: skip
             if seq.slot >= 0 and seq.fed < seq.prompt_len:
                 n = min(room, seq.prompt_len - seq.fed)
-                tokens = prompts[seq.rid][seq.fed : seq.fed + n]
+                tokens = self.prompts[seq.rid][seq.fed : seq.fed + n]
                 seq.fed += n
-                new_blocks = _grow(seq, seq.fed, free_blocks, block_size)
-                plan.chunks.append(SeqChunk(seq.slot, tokens, new_blocks, sample=seq.fed == seq.prompt_len))
+                sample = seq.fed == seq.prompt_len
+                plan.chunks.append(SeqChunk(seq.slot, tokens, self._grow(seq, seq.fed), sample=sample))
                 room -= n
-        _move_new_blocks_into_registrations(plan)
+
+    def _count_samples(self, plan: StepPlan) -> None:
         for chunk in plan.chunks:
             if chunk.sample:
-                seq = next(s for s in seqs if s.slot == chunk.slot and not s.done)
+                seq = next(s for s in self.seqs if s.slot == chunk.slot and not s.done)
                 seq.produced += 1
                 if seq.produced == seq.max_new:
                     seq.done = True
-                    to_free.append(seq)
-        for seq in released:  # released after this plan's step: reusable from the next plan on
-            free_slots.append(seq.slot)
-            free_blocks += seq.blocks
-            seq.slot, seq.blocks = -1, []
-        plans.append(plan)
-        assert len(plans) < 500, "the script made no progress"
-    return plans
+                    self.to_free.append(seq)
 
-
-def _grow(seq: Seq, context: int, free_blocks: list[int], block_size: int) -> list[int]:
-    """Blocks to append so that `context` tokens fit."""
-    need = max(math.ceil(context / block_size) - len(seq.blocks), 0)
-    taken = [free_blocks.pop(0) for _ in range(need)]
-    seq.blocks += taken
-    return taken
-
-
-def _move_new_blocks_into_registrations(plan: StepPlan) -> None:
-    """A sequence registered by this plan gets its first chunk's blocks in its NewSeq."""
-    chunks = {chunk.slot: chunk for chunk in plan.chunks}
-    for new in plan.new_seqs:
-        chunk = chunks[new.slot]
-        new.block_ids, chunk.append_block_ids = chunk.append_block_ids, []
+    def _grow(self, seq: Seq, context: int) -> list[int]:
+        """Blocks to append so that `context` tokens fit."""
+        need = max(math.ceil(context / self.block_size) - len(seq.blocks), 0)
+        taken = [self.free_blocks.pop(0) for _ in range(need)]
+        seq.blocks += taken
+        return taken
 
 
 def make_runner(model_dir: Path, **overrides: Any) -> ModelRunner:
@@ -137,8 +146,9 @@ def make_runner(model_dir: Path, **overrides: Any) -> ModelRunner:
 
 
 def plans_for(runner: ModelRunner) -> list[StepPlan]:
-    return script_plans(sequence_mix(), runner.vocab_size, runner.max_num_seqs, runner.pool.num_blocks,
+    script = PlanScript(sequence_mix(), runner.vocab_size, runner.max_num_seqs, runner.pool.num_blocks,
                         runner.block_size, budget=16)  # fmt: skip
+    return script.plans()
 
 
 def run_plain(runner: Any, plans: list[StepPlan]) -> list[StepResult]:
@@ -453,3 +463,43 @@ def test_a_finished_step_is_sent_without_waiting_for_the_next_plan(sockets: Sock
         ipc.send(sender, Shutdown())
         worker.join(15)
     assert not worker.is_alive()
+
+
+class FaultyDevice(SlowDevice):
+    """Step 0 hits a device fault: asking whether it is done raises, and so does reading it."""
+
+    def launch(self, plan: StepPlan) -> Any:
+        pending = super().launch(plan)
+        if plan.step == 0:
+            pending.ready = _device_fault
+        return pending
+
+    def finish(self, pending: _SlowStep) -> StepResult:
+        if pending.step == 0:
+            _device_fault()
+        return super().finish(pending)
+
+
+def _device_fault() -> bool:
+    raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def test_a_device_fault_fails_its_step_and_the_worker_goes_on(sockets: Sockets) -> None:
+    device = FaultyDevice(busy_s=0.0)
+    sender = ipc.connect_push(sockets.ctx, sockets.endpoints.inbox("worker"))
+    ipc.send(sender, StepPlan(step=0, chunks=[SeqChunk(0, [1])]))
+    worker = _serve_in_background(device, sockets)
+    try:
+        assert sockets.results_in.poll(5000)
+        failed = ipc.recv(sockets.results_in)
+        ipc.send(sender, StepPlan(step=1, chunks=[SeqChunk(0, [1])]))
+        assert sockets.results_in.poll(5000)
+        assert ipc.recv(sockets.results_in) == StepResult(step=1, slots=[0], token_ids=[1])
+    finally:
+        ipc.send(sender, Shutdown())
+        worker.join(15)
+    assert not worker.is_alive()
+    assert (
+        failed.step == 0
+        and failed.error == "RuntimeError: CUDA error: an illegal memory access was encountered"
+    )

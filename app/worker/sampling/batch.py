@@ -15,7 +15,7 @@ import torch
 
 from app.worker.sampling import truncation
 from app.worker.sampling.slots import SlotTable
-from app.worker.sampling.transfer import to_device
+from app.worker.transfer import to_device
 
 
 @dataclass(slots=True)

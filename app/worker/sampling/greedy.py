@@ -14,8 +14,8 @@ from app.protocol import SamplingParams
 from app.worker.sampling.logprobs import gather_logprobs
 from app.worker.sampling.output import SamplerOutput, check_logits
 from app.worker.sampling.processors import find_bad_rows
-from app.worker.sampling.transfer import upload
 from app.worker.sampling.validation import check_greedy_params
+from app.worker.transfer import upload
 
 
 class GreedySampler:

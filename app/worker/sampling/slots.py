@@ -18,7 +18,7 @@ import torch
 
 from app.protocol import SamplingParams
 from app.worker.sampling.randomness import position_seed
-from app.worker.sampling.transfer import upload
+from app.worker.transfer import upload
 
 
 @dataclass(slots=True)

@@ -107,7 +107,7 @@ class Sampler:
         return SamplerOutput(tokens, bad, logprobs)
 
     def _process(self, logits: torch.Tensor, plan: BatchPlan) -> tuple[torch.Tensor, torch.Tensor]:
-        x = logits.to(torch.float32, copy=True)
+        x = logits.to(torch.float32, copy=True, memory_format=torch.contiguous_format)  # add_logit_bias: flat
         bad = find_bad_rows(x)
         x.masked_fill_(bad.unsqueeze(1), 0.0)
         dev = plan.dev

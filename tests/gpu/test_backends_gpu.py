@@ -161,9 +161,10 @@ def test_kernels_on_cuda_match_references() -> None:
     pos = torch.tensor([3, 60], device="cuda")
     ref_q, ref_k = rotary.rotary_reference(qr, kr, cos, sin, pos)
     rotary.rotary_inplace(qr, kr, cos, sin, pos)
-    # bf16 on CUDA: within an ulp of torch's (the interpreter tests show fp16/fp32 bit-exact).
-    torch.testing.assert_close(qr, ref_q)
-    torch.testing.assert_close(kr, ref_k)
+    # bf16 on CUDA: rounding differs from torch's by an ulp, and x*cos - y*sin cancels, so an
+    # element near 0 can be an ulp of its operands (|x| ~ 1: 2**-7) away; a wrong rotation is O(1) off.
+    torch.testing.assert_close(qr, ref_q, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(kr, ref_k, atol=2e-2, rtol=2e-2)
 
 
 @pytest.fixture(scope="module")

@@ -58,8 +58,10 @@ def test_pipelined_steps_match_plain_execute_with_cuda_graphs(model_dir: Path) -
     for depth in (1, 2):
         runner = cuda_runner(model_dir)  # fresh sampler generators, as the reference had
         replays = count_replays(runner)
-        assert run_pipelined(runner, plans_for(runner), depth) == reference, f"depth {depth}"
-        assert replays[0] > 10  # the decode steps ran as graph replays
+        plans = plans_for(runner)
+        decode_only = sum(1 for plan in plans if plan.chunks and all(not c.token_ids for c in plan.chunks))
+        assert run_pipelined(runner, plans, depth) == reference, f"depth {depth}"
+        assert replays[0] == decode_only > 0  # every decode-only step ran as a graph replay
         assert not any(runner.slots.active)
 
 

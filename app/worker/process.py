@@ -57,6 +57,17 @@ def resolve_device(setting: str):
     return torch.device(setting)
 
 
+def set_cpu_threads(torch) -> None:
+    """Leave two cores to the http, tokenizer and scheduler processes.
+
+    torch's OpenMP threads spin-wait for each other at every op: when a core they expect is busy
+    with another process, each op waits for a scheduler time slice (seen here: 2 s per SmolLM2 decode
+    step with 2 threads on a loaded 2-core machine, 60 ms with 1). OMP_NUM_THREADS, when set, wins.
+    """
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, min(8, (os.cpu_count() or 2) - 2)))
+
+
 def run_worker(settings, endpoints: Endpoints, rank: int = 0) -> None:
     """Process entry (multiprocessing spawn target)."""
     lifecycle.init_child(f"worker{rank}", settings.log_level)
@@ -67,6 +78,8 @@ def run_worker(settings, endpoints: Endpoints, rank: int = 0) -> None:
     device = resolve_device(settings.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    else:
+        set_cpu_threads(torch)
     runner = ModelRunner(settings, device, rank)
     runner.warmup()
     ready = runner.ready_message()

@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL_DIR ?= $(HOME)/.cache/tokenspeed/models/smollm2-135m-instruct
 
-.PHONY: install model run test lint bench clean container-test
+.PHONY: install model run test lint bench clean container-test soak
 
 install: $(STAMP)
 
@@ -33,6 +33,10 @@ bench: $(STAMP)
 # A real container test (dockerd + debootstrap base, CPU): minutes, so not part of `make test`.
 container-test: model
 	scripts/container_test.sh
+
+# A bounded soak (minutes): RSS of every process stays flat over thousands of requests.
+soak: model
+	$(PY) scripts/soak.py --json soak.json
 
 clean:
 	rm -rf $(VENV)

@@ -12,8 +12,8 @@ import yaml
 
 from app.config import load_settings, meta
 from app.config.reference import DOC, embedded, render
-from tests.unit.test_recipes_catalog import PENDING  # recipes refused until their feature lands
 from app.config.schema import recipe_schema
+from tests.unit.test_recipes_catalog import PENDING  # recipes refused until their feature lands
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "configs" / "recipes").glob("*.yaml"))

@@ -21,7 +21,7 @@ from app.protocol import (
     TokenLogprobs,
     WorkerReady,
 )
-from app.tokenizer.core import Outgoing, HTTP, SCHEDULER, TokenizerCore
+from app.tokenizer.core import HTTP, SCHEDULER, Outgoing, TokenizerCore
 from tests.support.tokenizer_factory import build_tokenizer
 
 MAX_MODEL_LEN = 64

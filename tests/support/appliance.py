@@ -83,7 +83,14 @@ class Appliance:
             pass
         self.proc.wait(10)
 
-    def leftover_processes(self) -> list[psutil.Process]:
+    def leftover_processes(self, grace: float = 5.0) -> list[psutil.Process]:
+        """Children still alive after the supervisor exited, allowing them grace seconds to go."""
+        deadline = time.monotonic() + grace
+        while (alive := self._alive_children()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return alive
+
+    def _alive_children(self) -> list[psutil.Process]:
         alive = []
         for proc in self.children:
             try:

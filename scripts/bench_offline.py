@@ -44,18 +44,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     runner.warmup()
     ready = runner.ready_message()
     ready_s = time.perf_counter() - started
-    scheduler = Scheduler(
-        SchedulerConfig(
-            num_blocks=ready.num_blocks,
-            block_size=ready.block_size,
-            max_model_len=ready.max_model_len,
-            max_num_seqs=settings.max_num_seqs,
-            chunked_prefill_size=settings.chunked_prefill_size,
-            max_prefill_tokens=settings.max_prefill_tokens,
-            enable_prefix_caching=settings.enable_prefix_caching,
-            eos_token_ids=tuple(ready.eos_token_ids),
-        )
-    )
+    scheduler = Scheduler(SchedulerConfig.from_settings(settings, ready))
     gen = torch.Generator().manual_seed(1)
     sampling = p.SamplingParams(temperature=args.temperature, max_new_tokens=args.output_len, ignore_eos=True)
     for i in range(args.num_requests):

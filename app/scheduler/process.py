@@ -57,22 +57,7 @@ class SchedulerLoop:
         if events_config is not None:
             self.kv_events = KVEventRecorder(ready.block_size)
             self.publisher = KVEventPublisher(events_config, self.ctx)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                num_blocks=ready.num_blocks,
-                block_size=ready.block_size,
-                max_model_len=ready.max_model_len,
-                max_num_seqs=s.max_num_seqs,
-                chunked_prefill_size=s.chunked_prefill_size,
-                max_prefill_tokens=s.max_prefill_tokens,
-                enable_prefix_caching=s.enable_prefix_caching,
-                eos_token_ids=tuple(ready.eos_token_ids),
-                max_queued_requests=s.max_queued_requests,
-                request_timeout=s.request_timeout,
-                ttft_timeout=s.ttft_timeout,
-            ),
-            kv_events=self.kv_events,
-        )
+        self.scheduler = Scheduler(SchedulerConfig.from_settings(s, ready), kv_events=self.kv_events)
         self._observe_with(self.scheduler)
         return ready
 

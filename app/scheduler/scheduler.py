@@ -52,6 +52,23 @@ class SchedulerConfig:
     request_timeout: float | None = None
     ttft_timeout: float | None = None
 
+    @classmethod
+    def from_settings(cls, settings, ready: p.WorkerReady) -> SchedulerConfig:
+        """The scheduler's knobs from the appliance settings and the worker's pool figures."""
+        return cls(
+            num_blocks=ready.num_blocks,
+            block_size=ready.block_size,
+            max_model_len=ready.max_model_len,
+            max_num_seqs=settings.max_num_seqs,
+            chunked_prefill_size=settings.chunked_prefill_size,
+            max_prefill_tokens=settings.max_prefill_tokens,
+            enable_prefix_caching=settings.enable_prefix_caching,
+            eos_token_ids=tuple(ready.eos_token_ids),
+            max_queued_requests=getattr(settings, "max_queued_requests", None),
+            request_timeout=getattr(settings, "request_timeout", None),
+            ttft_timeout=getattr(settings, "ttft_timeout", None),
+        )
+
     @property
     def chunking(self) -> bool:
         return self.chunked_prefill_size > 0

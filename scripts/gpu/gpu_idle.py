@@ -37,6 +37,7 @@ import torch  # noqa: E402
 
 from app.protocol import NewSeq, SamplingParams, SeqChunk, StepPlan, StepResult  # noqa: E402
 from app.worker.process import StepPipeline  # noqa: E402
+from scripts.bench_latency import time_graph_replay as graph_replay_ms  # noqa: E402
 
 SAMPLINGS = {
     "greedy": SamplingParams(temperature=0.0),
@@ -162,24 +163,6 @@ def profiled_busy_fraction(runner: Any, mode: str, plans: list[StepPlan]) -> flo
         covered += max(hi - max(lo, reach), 0.0)
         reach = max(reach, hi)
     return covered / (reach - spans[0][0])
-
-
-def graph_replay_ms(runner: Any, batch: int, iters: int = 50) -> float | None:
-    """Median ms of one replay of the batch's captured graph (inputs as the last step left them)."""
-    graphs = runner.graphs
-    size = graphs.size_for(batch) if graphs is not None else None
-    if size is None:
-        return None
-    graph = graphs.graphs[size].graph
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def measure(runner: Any, batch: int, sampling: str, args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -1,7 +1,7 @@
 """The model recipe catalogue (configs/recipes/<model>-<quant>.yaml): which recipes ship, which ones this
 build refuses and why (so a test flips when the feature lands), and that each is sized for one H200.
 
-Every recipe's validity is tests/unit/test_config_recipes.py's job; it skips the PENDING ones below.
+Every recipe's validity is tests/unit/test_config_recipes.py's job.
 """
 
 from __future__ import annotations
@@ -14,17 +14,13 @@ from typing import Any
 import pytest
 import yaml
 
-from app.config import ConfigError, load_settings, resolve_with_sources
+from app.config import resolve_with_sources
 from app.config.show import as_json
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "configs" / "recipes"
 DOCS = ROOT / "docs" / "recipes.md"
 
-# Recipes this build refuses on purpose, with the config system's reason. When a feature lands, its
-# recipes validate, test_pending_recipes_are_refused fails, and they move to the catalogue proper.
-# None today: the FP8 recipes moved out when FP8 landed (test_fp8_recipes_are_valid).
-PENDING: dict[str, str] = {}
 FP8_RECIPES = ("qwen3-8b-fp8.yaml", "llama-3.1-8b-instruct-fp8.yaml")
 # Recipes for local models, owned by the config and model work (not Hub models).
 LOCAL = {"smollm2-135m-instruct.yaml", "tiny-test.yaml"}
@@ -58,7 +54,7 @@ CATALOGUE = {
     "qwen3-0.6b-bf16.yaml", "qwen3-8b-bf16.yaml", "qwen3-8b-fp8.yaml", "llama-3.1-8b-instruct-bf16.yaml",
     "llama-3.1-8b-instruct-fp8.yaml", "qwen2.5-7b-instruct-bf16.yaml", "mistral-7b-instruct-v0.3-bf16.yaml",
 }
-READY = sorted(CATALOGUE - set(PENDING))
+READY = sorted(CATALOGUE)
 
 
 def document(name: str) -> dict[str, Any]:
@@ -68,27 +64,7 @@ def document(name: str) -> dict[str, Any]:
 def test_the_catalogue_is_complete() -> None:
     present = {p.name for p in RECIPES.glob("*.yaml")}
     assert CATALOGUE <= present, sorted(CATALOGUE - present)
-    assert present - CATALOGUE - LOCAL == set(), "classify the new recipe here (CATALOGUE, PENDING or LOCAL)"
-    assert set(PENDING) <= CATALOGUE
-
-
-@pytest.mark.parametrize("name", sorted(PENDING))
-def test_pending_recipes_are_refused(name: str) -> None:
-    path = RECIPES / name
-    with pytest.raises(ConfigError) as refused:
-        load_settings(["--config", str(path)], {})
-    assert str(refused.value) == f"{PENDING[name]} (set by {path}: quantization)"
-
-
-@pytest.mark.parametrize("name", sorted(PENDING))
-def test_pending_recipes_fail_only_for_their_reason(name: str, tmp_path: Path) -> None:
-    """Without the missing feature the recipe is complete and valid, so it serves once that lands."""
-    doc = document(name)
-    assert doc.pop("quantization") == "fp8"
-    without = tmp_path / name
-    without.write_text(yaml.safe_dump(doc))
-    settings = load_settings(["--config", str(without)], {})
-    assert (settings.model, settings.max_model_len) == (doc["model"], doc["max_model_len"])
+    assert present - CATALOGUE - LOCAL == set(), "classify the new recipe here (CATALOGUE or LOCAL)"
 
 
 @pytest.mark.parametrize("name", FP8_RECIPES)
@@ -133,7 +109,5 @@ def test_docs_list_every_recipe() -> None:
     text = DOCS.read_text()
     for name in sorted(CATALOGUE | LOCAL):
         assert f"`{name}`" in text, name
-    for name in PENDING:
-        assert re.search(rf"`{re.escape(name)}`[^\n]*not built yet", text), name
     assert "Qwen3-30B-A3B" in text and "MoE" in text  # the MoE recipe waits for MoE support
     assert not list(RECIPES.glob("qwen3-30b-a3b*"))

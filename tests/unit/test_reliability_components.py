@@ -18,7 +18,8 @@ from app.http.liveness import liveness_check
 from app.http.server import build_app
 from app.lifecycle import Heartbeat
 from app.scheduler.scheduler import QueueFull, Scheduler, SchedulerConfig
-from app.worker.process import MAX_CONSECUTIVE_STEP_FAILURES, Fault, StepFailures, parse_faults, serve_steps
+from app.worker.faults import Fault, parse_faults
+from app.worker.process import MAX_CONSECUTIVE_STEP_FAILURES, StepFailures, serve_steps
 from tests.unit.test_http_fakes import FakeEngine, settings
 
 

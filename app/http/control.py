@@ -48,16 +48,21 @@ async def abort_request(request: Request) -> Response:
     return JSON({"success": True})
 
 
-async def _engine_control(request: Request, kind: str) -> ControlReply:
+async def call_engine(request: Request, kind: str, args: dict, timeout: float = CONTROL_TIMEOUT_S) -> ControlReply:
+    """One control operation on the engine; 503 when it cannot serve, 504 when it does not answer."""
     state = server_state(request)
     if not state.client.ready:
         raise APIError(503, "the engine is not ready yet")
     try:
-        reply = await state.client.control(kind, {}, timeout=CONTROL_TIMEOUT_S)
+        return await state.client.control(kind, args, timeout=timeout)
     except TimeoutError:
-        raise APIError(504, f"the engine did not answer {kind} within {CONTROL_TIMEOUT_S:g} s") from None
+        raise APIError(504, f"the engine did not answer {kind} within {timeout:g} s") from None
     except EngineUnavailable as exc:
         raise APIError(503, str(exc)) from None
+
+
+async def _engine_control(request: Request, kind: str) -> ControlReply:
+    reply = await call_engine(request, kind, {})
     if not reply.success:
         raise APIError(400, reply.message or f"{kind} failed", code=f"{kind}_failed")
     return reply

@@ -23,9 +23,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from app.http.body import StrictBody, read_object, validate
-from app.http.engine_client import EngineUnavailable
-from app.http.errors import APIError, bad_request
-from app.http.state import server_state
+from app.http.control import call_engine
+from app.http.errors import bad_request
 
 # Weight operations may wait for the engine to drain and for a trainer's broadcast or a disk load.
 WEIGHT_OP_TIMEOUT_S = 1800.0
@@ -97,15 +96,7 @@ async def _optional_object(request: Request) -> dict[str, Any]:
 
 
 async def _run(request: Request, kind: str, args: dict[str, Any], timeout: float) -> Response:
-    state = server_state(request)
-    if not state.client.ready:
-        raise APIError(503, "the engine is not ready yet")
-    try:
-        reply = await state.client.control(kind, args, timeout=timeout)
-    except TimeoutError:
-        raise APIError(504, f"the engine did not finish {kind} within {timeout:g} s") from None
-    except EngineUnavailable as exc:
-        raise APIError(503, str(exc)) from None
+    reply = await call_engine(request, kind, args, timeout)
     return JSONResponse({"success": reply.success, "message": reply.message}, status_code=200 if reply.success else 400)
 
 

@@ -16,6 +16,8 @@ from app import protocol
 
 # Inboxes, one per reader. The scheduler reads two: requests/control, and worker results.
 INBOXES = ("supervisor", "http", "tokenizer", "scheduler", "scheduler_results", "worker")
+# One of these per data-parallel replica (the worker inbox is its TP leader's; app/topology.py).
+PER_REPLICA = ("scheduler", "scheduler_results", "worker")
 
 
 @dataclass(frozen=True)
@@ -24,10 +26,10 @@ class Endpoints:
 
     runtime_dir: str
 
-    def inbox(self, name: str, rank: int = 0) -> str:
+    def inbox(self, name: str, replica: int = 0) -> str:
         if name not in INBOXES:
             raise KeyError(f"unknown inbox {name!r}")
-        suffix = f"_{rank}" if name == "worker" else ""
+        suffix = f"_{replica}" if name in PER_REPLICA else ""
         return f"ipc://{os.path.join(self.runtime_dir, name + suffix)}.sock"
 
 

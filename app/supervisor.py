@@ -17,6 +17,7 @@ import multiprocessing.connection
 import os
 import shutil
 import signal
+import socket
 import tempfile
 import time
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ import zmq
 from app import ipc, lifecycle
 from app import protocol as p
 from app.ipc import Endpoints
+from app.topology import Topology
 
 log = logging.getLogger("tokenspeed.supervisor")
 
@@ -54,6 +56,7 @@ class Supervisor:
         # A signal writes here so the watch loop wakes at once instead of at its next poll.
         self._wake_r, self._wake_w = os.pipe()
         self.failure: str | None = None  # why the appliance is coming down, once a child failed
+        self.topology = Topology.from_settings(settings)
 
     def request_stop(self) -> None:
         self.stop_requested = True
@@ -72,8 +75,16 @@ class Supervisor:
 
             prepare_multiprocess_dir(self.runtime_dir)
         spawn = mp.get_context("spawn")
-        targets = [("http", run_http, ()), ("tokenizer", run_tokenizer, ()), ("scheduler", run_scheduler, ())]
-        targets += [(f"worker{r}", run_worker, (r,)) for r in range(self.world_size)]
+        topo = self.topology
+        if topo.head:
+            targets = [("http", run_http, ()), ("tokenizer", run_tokenizer, ())]
+            targets += [(topo.scheduler_name(d), run_scheduler, (d,)) for d in topo.schedulers()]
+        else:
+            from app.http.node_health import run_node_health
+
+            targets = [("http", run_node_health, ())]
+        rendezvous = self.rendezvous()
+        targets += [(w.name, run_worker, (w, rendezvous[w.replica])) for w in topo.local_workers()]
         for name, target, extra in targets:
             heartbeat = lifecycle.Heartbeat.create(self.runtime_dir, name)
             proc = spawn.Process(target=target, args=(self.settings, self.endpoints, *extra), name=name)
@@ -81,9 +92,16 @@ class Supervisor:
             self.children.append(Child(name, proc, heartbeat))
             log.info("started %s (pid %d)", name, proc.pid)
 
-    @property
-    def world_size(self) -> int:
-        return 1
+    def rendezvous(self) -> dict[int, str]:
+        """Each replica's torch.distributed init address (its TP group's): --dist-init-addr across nodes,
+        else a free port on this host per replica."""
+        topo = self.topology
+        if topo.nnodes > 1:
+            return {0: f"tcp://{topo.dist_init_addr}"}
+        if topo.dist_init_addr is not None:
+            host, _, port = topo.dist_init_addr.rpartition(":")
+            return {d: f"tcp://{host}:{int(port) + d}" for d in range(topo.dp)}
+        return {d: f"tcp://127.0.0.1:{free_port()}" for d in range(topo.dp)}
 
     def wait_ready(self) -> bool:
         """Collect every child's ProcessReady; False if one died, a stop came, or time ran out."""
@@ -104,7 +122,14 @@ class Supervisor:
         return True
 
     def announce_ready(self, started: float) -> None:
-        worker = self.ready_info.get("worker0", {})
+        if not self.topology.head:  # a worker node: its health endpoint turns ready
+            push = ipc.connect_push(self.ctx, self.endpoints.inbox("http"))
+            ipc.send(push, p.EngineReady({"node_rank": self.topology.node_rank}))
+            push.close(linger=1000)
+            log.info("node %d ready (workers %s) in %.1f s", self.topology.node_rank,
+                     ", ".join(w.name for w in self.topology.local_workers()), time.time() - started)
+            return
+        worker = self.ready_info.get(self.topology.worker_name(0, 0), {})
         # The model's figures win (its vocab is often padded past the tokenizer's).
         info = {**self.ready_info.get("tokenizer", {}), **worker, "startup_seconds": time.time() - started}
         # The tokenizer records per-request metrics under this name when metrics are on.
@@ -172,8 +197,9 @@ class Supervisor:
         self.stop_all()
 
     def stop_all(self) -> None:
-        order = {"http": 0, "tokenizer": 1, "scheduler": 2}
-        for child in sorted(self.children, key=lambda c: order.get(c.name, 3)):
+        order = ("http", "tokenizer", "scheduler", "worker")  # pipeline order; replicas share a rank
+        for child in sorted(self.children, key=lambda c: next(i for i, k in enumerate(order)
+                                                              if c.name.startswith(k))):
             proc = child.process
             if proc.is_alive():
                 proc.terminate()
@@ -188,6 +214,13 @@ class Supervisor:
         os.close(self._wake_r)
         os.close(self._wake_w)
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (the workers bind it moments later)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def serve(settings) -> int:

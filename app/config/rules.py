@@ -1,6 +1,7 @@
 """Rules that tie several settings together (the per-field ranges live on the fields).
 
-TP size versus attention heads needs the model's config, so the worker checks it.
+TP size versus attention heads needs the model's config, so the worker checks it; whether enough GPUs
+exist is checked by the supervisor before it starts the workers.
 """
 
 from __future__ import annotations
@@ -34,4 +35,60 @@ def cross_field_problems(s: Settings) -> list[Problem]:
                 f"--max-total-tokens {s.max_total_tokens} must be >= --max-model-len {s.max_model_len}: "
                 "a sequence of the maximum length must fit in the KV pool",
             ))
+    return problems + parallelism_problems(s)
+
+
+def parallelism_problems(s: Settings) -> list[Problem]:
+    """The parallelism combinations this build runs (app/topology.py): dp replicas of tp workers each,
+    on one node or, with dp = 1, spread evenly over --nnodes nodes."""
+    problems: list[Problem] = []
+    tp, dp = s.tensor_parallel_size, s.data_parallel_size
+    world = tp * dp
+    if s.dense_tp_size is not None and s.dense_tp_size != tp:
+        problems.append(Problem(
+            ("dense_tp_size", "tensor_parallel_size"),
+            f"--dense-tp-size {s.dense_tp_size} differs from --tensor-parallel-size {tp}: different attention and "
+            "dense TP sizes need attention data parallelism, which is not built yet (leave it unset or equal)",
+        ))
+    if s.world_size is not None and s.world_size != world:
+        problems.append(Problem(
+            ("world_size", "tensor_parallel_size", "data_parallel_size"),
+            f"--world-size {s.world_size} must equal --tensor-parallel-size x --data-parallel-size = {world}",
+        ))
+    if s.node_rank >= s.nnodes:
+        problems.append(Problem(("node_rank", "nnodes"),
+                                f"--node-rank {s.node_rank} must be below --nnodes {s.nnodes}"))
+    if world % s.nnodes:
+        problems.append(Problem(
+            ("nnodes", "tensor_parallel_size"),
+            f"{world} worker processes (TP x DP) cannot be spread evenly over --nnodes {s.nnodes}",
+        ))
+    elif s.nprocs_per_node is not None and s.nprocs_per_node != world // s.nnodes:
+        problems.append(Problem(
+            ("nprocs_per_node", "nnodes"),
+            f"--nprocs-per-node {s.nprocs_per_node} must equal the {world} worker processes over --nnodes "
+            f"{s.nnodes} = {world // s.nnodes}",
+        ))
+    if s.nnodes > 1:
+        if dp > 1:
+            problems.append(Problem(
+                ("data_parallel_size", "nnodes"),
+                "--data-parallel-size > 1 across several nodes is not built yet: run one appliance per node "
+                "(each with its own data-parallel replicas) behind a load balancer",
+            ))
+        if s.dist_init_addr is None:
+            problems.append(Problem(
+                ("dist_init_addr", "nnodes"),
+                "--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address, the same on every node)",
+            ))
+    if s.dist_init_addr is not None and not _host_port(s.dist_init_addr):
+        problems.append(Problem(
+            ("dist_init_addr",),
+            f"--dist-init-addr {s.dist_init_addr!r} must be HOST:PORT (e.g. 10.0.0.1:29500)",
+        ))
     return problems
+
+
+def _host_port(addr: str) -> bool:
+    host, _, port = addr.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536

@@ -166,7 +166,19 @@ class Settings(BaseSettings):
     nprocs_per_node: int | None = _f(None, "Worker process count per node.", PARALLELISM, ge=1)
     nnodes: int = _f(1, "Number of nodes.", PARALLELISM, ge=1)
     node_rank: int = _f(0, "Rank of the current node.", PARALLELISM, ge=0)
-    dist_init_addr: str | None = _f(None, "Distributed initialization address.", PARALLELISM)
+    dist_init_addr: str | None = _f(
+        None, "Distributed initialization address (host:port of node 0's rendezvous; required with --nnodes > 1).",
+        PARALLELISM)
+    base_gpu_id: int = _f(
+        0, "First GPU index this node's workers use (TokenSpeed's --base-gpu-id).", PARALLELISM,
+        origin="appliance", ge=0)
+    gpu_id_step: int = _f(
+        1, "Distance between the GPU indices of consecutive workers (TokenSpeed's --gpu-id-step).", PARALLELISM,
+        origin="appliance", ge=1)
+    load_balance_method: Literal["shortest_queue", "round_robin"] = _f(
+        "shortest_queue", "How the front spreads requests over --data-parallel-size replicas: the replica with "
+        "the fewest unfinished requests, or in turn (TokenSpeed's --load-balance-method).", PARALLELISM,
+        origin="appliance")
 
     # ------------------------------------------------------------------ backend selection
     attention_backend: AttentionBackend | None = _f(

@@ -43,8 +43,8 @@ def _all(fields: Iterable[str], value: Any, why: str) -> list[Rule]:
     return [only(f, value, why=why) for f in fields]
 
 
-_PARALLEL = "multi-GPU and multi-node parallelism is not built yet (one GPU, one worker process)"
-_MOE = "MoE models are not built yet"
+_MOE = "MoE models (and with them expert parallelism and MoE tensor parallelism) are not built yet"
+_COMM_FUSION = "fused all-reduce + norm kernels are not built yet (tensor parallelism uses plain all-reduces)"
 _SPEC = "speculative decoding is not built yet"
 _KVSTORE = "this build has no host KV store (--disable-kvstore is the only mode)"
 _DISAGG = "prefill/decode disaggregation is not built yet"
@@ -68,18 +68,18 @@ RULES: tuple[Rule, ...] = (
     only("quantization", None, "fp8", "w8a8_fp8", "compressed-tensors",
          why="nvfp4 and mxfp4 need NVIDIA Blackwell GPUs (B200/GB200, SM100 or newer); this build runs FP8 "
          "(fp8, w8a8_fp8, compressed-tensors) on Hopper (H100/H200) and Ada"),
-    # Parallelism.
-    *_all(["tensor_parallel_size", "data_parallel_size", "expert_parallel_size", "nnodes"], 1, _PARALLEL),
-    *_all(["dense_tp_size", "moe_tp_size", "world_size", "nprocs_per_node"], None, _PARALLEL),
-    only("node_rank", 0, why=_PARALLEL),
-    only("dist_init_addr", None, why=_PARALLEL),
-    only("enable_expert_parallel", False, why=_PARALLEL),
+    # Parallelism: tensor and data parallel and multi-node are built (app/topology.py; the combinations
+    # are checked in rules.py); expert parallelism waits for MoE models.
+    only("moe_tp_size", None, why=_MOE),
+    only("expert_parallel_size", 1, why=_MOE),
+    only("enable_expert_parallel", False, why=_MOE),
     only("mm_encoder_tp_mode", "weights", why="multimodal models are not built yet"),
     # Backends.
     only("attention_backend", None, "torch", "triton", "flashinfer",
          why="this build has the torch (portable), triton and flashinfer (CUDA) attention backends"),
-    only("sampling_backend", None, "greedy",
-         why="this build has its portable torch sampler only (leave it unset or set greedy)"),
+    only("sampling_backend", None, "greedy", "flashinfer",
+         why="this build has the portable torch sampler (unset), greedy and flashinfer (CUDA); the "
+         "flashinfer_full, triton and triton_full samplers are not built"),
     only("drafter_attention_backend", None, why=_SPEC),
     only("draft_moe_backend", None, why=_SPEC),
     only("moe_backend", "auto", why=_MOE),
@@ -113,8 +113,8 @@ RULES: tuple[Rule, ...] = (
     only("disaggregation_transfer_backend", "mooncake", why=_DISAGG),
     only("disaggregation_ib_device", None, why=_DISAGG),
     only("disaggregation_layerwise_interval", 1, why=_DISAGG),
-    only("comm_fusion_max_num_tokens", 2048, why="communication fusion needs tensor parallelism: " + _PARALLEL),
-    only("enable_allreduce_fusion", False, why="communication fusion needs tensor parallelism: " + _PARALLEL),
+    only("comm_fusion_max_num_tokens", 2048, why=_COMM_FUSION),
+    only("enable_allreduce_fusion", False, why=_COMM_FUSION),
 )
 
 BY_FIELD: dict[str, Rule] = {rule.field: rule for rule in RULES}

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from app.lifecycle import HEARTBEAT_INTERVAL_S, Heartbeat
 
 READINESS_STALE_S = 10.0  # silent this long (or half its heartbeat timeout, if less): not ready
-ENGINE_PROCESSES = ("tokenizer", "scheduler")
+ENGINE_PROCESSES = ("tokenizer", "scheduler*", "worker*")
 
 
 async def beat_forever(heartbeat: Heartbeat) -> None:
@@ -24,9 +24,10 @@ async def beat_forever(heartbeat: Heartbeat) -> None:
 
 def engine_heartbeats(runtime_dir: str) -> dict[str, Heartbeat]:
     """The heartbeats the supervisor made for the engine processes (none when http runs alone)."""
-    workers = sorted(os.path.basename(p).removeprefix("heartbeat-")
-                     for p in glob.glob(Heartbeat.path_of(runtime_dir, "worker*")))
-    beats = {name: Heartbeat.attach(runtime_dir, name) for name in (*ENGINE_PROCESSES, *workers)}
+    # Data-parallel replicas and TP ranks multiply the schedulers and workers (app/topology.py).
+    names = sorted(os.path.basename(p).removeprefix("heartbeat-")
+                   for pattern in ENGINE_PROCESSES for p in glob.glob(Heartbeat.path_of(runtime_dir, pattern)))
+    beats = {name: Heartbeat.attach(runtime_dir, name) for name in names}
     return {name: beat for name, beat in beats.items() if beat is not None}
 
 

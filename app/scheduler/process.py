@@ -15,6 +15,7 @@ from app.metrics.kv_events import KVEventPublisher, KVEventRecorder, parse_kv_ev
 from app.metrics.request_stats import FinishLogger
 from app.scheduler.rl_control import EngineControl
 from app.scheduler.scheduler import AdmissionError, QueueFull, Scheduler, SchedulerConfig
+from app.topology import Topology
 
 log = logging.getLogger("tokenspeed.scheduler")
 
@@ -28,18 +29,20 @@ CONTROL_POLL_MS = 10  # inbox wait while the worker runs a control operation (it
 class SchedulerLoop:
     """Owns the sockets; one iteration = take inbox messages, run one step, publish deltas."""
 
-    def __init__(self, settings, endpoints: Endpoints, ctx: zmq.Context) -> None:
+    def __init__(self, settings, endpoints: Endpoints, ctx: zmq.Context, replica: int = 0) -> None:
         self.settings = settings
         self.ctx = ctx
-        self.inbox = ipc.bind_pull(ctx, endpoints.inbox("scheduler"))
-        self.results = ipc.bind_pull(ctx, endpoints.inbox("scheduler_results"))
-        self.to_worker = ipc.connect_push(ctx, endpoints.inbox("worker", 0))
+        self.replica = replica  # the data-parallel replica this scheduler drives (app/topology.py)
+        self.name = Topology.from_settings(settings).scheduler_name(replica)
+        self.inbox = ipc.bind_pull(ctx, endpoints.inbox("scheduler", replica))
+        self.results = ipc.bind_pull(ctx, endpoints.inbox("scheduler_results", replica))
+        self.to_worker = ipc.connect_push(ctx, endpoints.inbox("worker", replica))
         self.to_tokenizer = ipc.connect_push(ctx, endpoints.inbox("tokenizer"))
         self.poller = zmq.Poller()
         self.poller.register(self.inbox, zmq.POLLIN)
         self.scheduler: Scheduler | None = None
         self.running = True
-        self.heartbeat = lifecycle.Heartbeat.attach(endpoints.runtime_dir, "scheduler")
+        self.heartbeat = lifecycle.Heartbeat.attach(endpoints.runtime_dir, self.name)
         self._next_expiry = 0.0
         self._decode_steps = 0
         self._log_window = (time.monotonic(), 0)  # (start, generated tokens) for throughput
@@ -229,11 +232,12 @@ class SchedulerLoop:
             self._log_window = (start, tokens)
 
 
-def run_scheduler(settings, endpoints: Endpoints) -> None:
+def run_scheduler(settings, endpoints: Endpoints, replica: int = 0) -> None:
     """Process entry (multiprocessing spawn target)."""
-    lifecycle.init_child("scheduler", settings.log_level)
+    name = Topology.from_settings(settings).scheduler_name(replica)
+    lifecycle.init_child(name, settings.log_level)
     ctx = zmq.Context()
-    loop = SchedulerLoop(settings, endpoints, ctx)
+    loop = SchedulerLoop(settings, endpoints, ctx, replica)
     lifecycle.on_sigterm(lambda: setattr(loop, "running", False))
     ready = loop.wait_for_worker()
     log.info(
@@ -245,7 +249,7 @@ def run_scheduler(settings, endpoints: Endpoints) -> None:
         ready.num_blocks * ready.block_size / ready.max_model_len,
     )
     supervisor = ipc.connect_push(ctx, endpoints.inbox("supervisor"))
-    ipc.send(supervisor, p.ProcessReady("scheduler", os.getpid(), {}))
+    ipc.send(supervisor, p.ProcessReady(name, os.getpid(), {}))
     try:
         loop.run()
     finally:

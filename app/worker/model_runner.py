@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -54,6 +54,7 @@ from app.worker.loader import (
     resolve_model_path,
 )
 from app.worker.models import DenseCausalLM, model_class_for
+from app.worker.parallel import SINGLE, TensorParallel
 from app.worker.quantization import (
     Fp8LinearMethod,
     fp8_kv_backend,
@@ -150,10 +151,11 @@ class PendingStep:
 
 
 class ModelRunner:
-    def __init__(self, settings: Any, device: torch.device, rank: int = 0) -> None:
+    def __init__(self, settings: Any, device: torch.device, tp: TensorParallel = SINGLE) -> None:
         self.settings = settings
         self.device = torch.device(device)
-        self.rank = rank
+        self.tp = tp  # this rank's tensor-parallel group (app/worker/parallel.py); SINGLE without TP
+        self.rank = tp.rank
         started = time.perf_counter()
         if self.device.type == "cuda":
             if self.device.index is None:  # "cuda": the current device, named (set_device needs an index)
@@ -202,7 +204,7 @@ class ModelRunner:
         self.graph_sizes = self._graph_sizes()
         self.graph_reserve_bytes = 0
         pool_started = time.perf_counter()
-        self.pool = self._size_pool()
+        self.pool = self._agree_pool(self._size_pool())
         # One block beyond the scheduler's pool: the scratch block that CUDA-graph pad rows write to.
         self.scratch_block = self.pool.num_blocks
         self.kv_cache = KVCache(
@@ -248,7 +250,7 @@ class ModelRunner:
         cls = model_class_for(self.config)
         with torch.device(self.device):
             quant = Fp8LinearMethod(self.quant_scheme) if self.quant_scheme is not None else None
-            model = cls(self.config, self.dtype, self.max_model_len, quant=quant)
+            model = cls(self.config, self.dtype, self.max_model_len, quant=quant, tp=self.tp)
         model.to(self.device)  # the RoPE tables are built on the CPU
         fmt = load_weights(model, model_dir, self.settings.load_format)
         model.eval()
@@ -285,6 +287,15 @@ class ModelRunner:
         else:
             raise ValueError(f"device type {self.device.type!r} is not supported (cpu or cuda)")
         return finish_pool(tokens, self.block_size, self.max_model_len, bytes_per_token, why)
+
+    def _agree_pool(self, plan: PoolPlan) -> PoolPlan:
+        """Every TP rank holds the same blocks for the same sequences: the smallest pool any rank can hold."""
+        blocks = self.tp.min_int(plan.num_blocks)
+        if blocks == plan.num_blocks:
+            return plan
+        logger.info("KV pool: %d blocks here, %d on the smallest tensor-parallel rank; using %d",
+                    plan.num_blocks, blocks, blocks)
+        return replace(plan, num_blocks=blocks)
 
     def _cuda_pool_tokens(self, bytes_per_token: int) -> tuple[int, str]:
         """Profile the largest step, then give the KV cache what the utilization budget leaves."""
@@ -585,10 +596,15 @@ class ModelRunner:
             s.has_token[chunk.slot] = False
         if logits is None:
             return PendingStep(step=plan.step)
-        out = self.sampler.sample(logits, step.sample_slots)
-        s.last_token.index_copy_(0, upload(step.sample_slots, torch.int64, self.device), out.token_ids)
+        # Sampling happens once, on the TP leader; the other ranks take its tokens (the next step's input).
+        out = self.sampler.sample(logits, step.sample_slots) if self.tp.leader else None
+        token_ids = out.token_ids if out is not None else logits.new_empty(len(step.sample_slots), dtype=torch.int64)
+        self.tp.broadcast(token_ids)
+        s.last_token.index_copy_(0, upload(step.sample_slots, torch.int64, self.device), token_ids)
         for slot in step.sample_slots:
             s.has_token[slot] = True
+        if out is None:
+            return PendingStep(step=plan.step)
         return self._read_back(plan.step, step.sample_slots, out)
 
     def _read_back(self, step: int, slots: list[int], out: SamplerOutput) -> PendingStep:

@@ -21,14 +21,18 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from app import ipc, lifecycle
 from app import protocol as p
 from app.ipc import Endpoints
+from app.topology import WorkerPlace
 from app.worker.faults import FaultInjector
+
+if TYPE_CHECKING:
+    from app.worker.parallel import TensorParallel
 
 log = logging.getLogger("tokenspeed.worker")
 
@@ -45,7 +49,9 @@ class StepFailures(RuntimeError):
     """Too many steps failed in a row: the worker exits."""
 
 
-def resolve_device(setting: str):
+def resolve_device(setting: str, gpu: int = 0):
+    """The device this worker runs on; `gpu` is its CUDA index (app/topology.py: --base-gpu-id and
+    --gpu-id-step place the ranks)."""
     import torch
 
     if setting == "auto":
@@ -53,44 +59,64 @@ def resolve_device(setting: str):
     if setting == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError("--device cuda was asked for but no CUDA GPU is visible (check --gpus / nvidia runtime)")
-        return torch.device("cuda", 0)  # set_device needs an index (torch 2.11)
+        visible = torch.cuda.device_count()
+        if gpu >= visible:
+            raise RuntimeError(
+                f"this worker needs GPU {gpu} but only {visible} GPU(s) are visible: --tensor-parallel-size x "
+                "--data-parallel-size workers per node, placed from --base-gpu-id every --gpu-id-step, need more "
+                "GPUs than this node has (check CUDA_VISIBLE_DEVICES and the container's GPU reservation)")
+        return torch.device("cuda", gpu)  # set_device needs an index (torch 2.11)
     return torch.device(setting)
 
 
-def set_cpu_threads(torch) -> None:
-    """Leave two cores to the http, tokenizer and scheduler processes.
+def set_cpu_threads(torch, workers: int = 1) -> None:
+    """Leave two cores to the http, tokenizer and scheduler processes, and share the rest among the
+    tensor-parallel workers.
 
     torch's OpenMP threads spin-wait for each other at every op: when a core they expect is busy
     with another process, each op waits for a scheduler time slice (seen here: 2 s per SmolLM2 decode
     step with 2 threads on a loaded 2-core machine, 60 ms with 1). OMP_NUM_THREADS, when set, wins.
     """
     if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, min(8, (os.cpu_count() or 2) - 2)))
+        torch.set_num_threads(max(1, min(8, ((os.cpu_count() or 2) - 2) // workers)))
 
 
-def run_worker(settings, endpoints: Endpoints, rank: int = 0) -> None:
-    """Process entry (multiprocessing spawn target)."""
-    lifecycle.init_child(f"worker{rank}", settings.log_level)
+def run_worker(settings, endpoints: Endpoints, place: WorkerPlace | None = None, init_method: str = "") -> None:
+    """Process entry (multiprocessing spawn target). The TP leader serves its replica's scheduler; the other
+    ranks follow the messages it relays (app/worker/parallel.py)."""
+    place = place or WorkerPlace(0, 0, 1, 0, "worker0")
+    lifecycle.init_child(place.name, settings.log_level)
     import torch
 
     from app.worker.model_runner import ModelRunner
+    from app.worker.parallel import TensorParallel
 
-    device = resolve_device(settings.device)
+    device = resolve_device(settings.device, place.gpu)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:
-        set_cpu_threads(torch)
-    runner = ModelRunner(settings, device, rank)
+        set_cpu_threads(torch, place.tp_size)
+    tp = TensorParallel.join(place.rank, place.tp_size, device, init_method)
+    runner = ModelRunner(settings, device, tp)
     runner.warmup()
     ready = runner.ready_message()
-    log.info("worker %d ready on %s: %s", rank, device, ready.info)
+    log.info("%s ready on %s: %s", place.name, device, ready.info)
 
     faults = FaultInjector.from_env()
-    heartbeat = lifecycle.Heartbeat.attach(endpoints.runtime_dir, f"worker{rank}")
+    heartbeat = lifecycle.Heartbeat.attach(endpoints.runtime_dir, place.name)
     ctx = zmq.Context()
-    inbox = ipc.bind_pull(ctx, endpoints.inbox("worker", rank))
-    results = ipc.connect_push(ctx, endpoints.inbox("scheduler_results"))
     supervisor = ipc.connect_push(ctx, endpoints.inbox("supervisor"))
+    lifecycle.on_sigterm(lambda: os._exit(0))  # nothing to flush: device state dies with us
+    if not tp.leader:
+        ipc.send(supervisor, p.ProcessReady(place.name, os.getpid(), {}))
+        try:
+            with torch.inference_mode():
+                follow_steps(runner, tp, heartbeat)
+        finally:
+            ctx.destroy(linger=0)
+        return
+    inbox = ipc.bind_pull(ctx, endpoints.inbox("worker", place.replica))
+    results = ipc.connect_push(ctx, endpoints.inbox("scheduler_results", place.replica))
     ipc.send(results, ready)
     engine_info = {
         **ready.info,
@@ -100,20 +126,21 @@ def run_worker(settings, endpoints: Endpoints, rank: int = 0) -> None:
         "vocab_size": ready.vocab_size,
         "eos_token_ids": ready.eos_token_ids,
     }
-    ipc.send(supervisor, p.ProcessReady(f"worker{rank}", os.getpid(), engine_info))
-    lifecycle.on_sigterm(lambda: os._exit(0))  # nothing to flush: device state dies with us
+    ipc.send(supervisor, p.ProcessReady(place.name, os.getpid(), engine_info))
     try:
         with torch.inference_mode():
-            serve_steps(runner, inbox, results, heartbeat, faults)
+            serve_steps(runner, inbox, results, heartbeat, faults, relay=tp if tp.size > 1 else None)
     finally:
         results.close(linger=1000)  # the last result (a failure's) must reach the scheduler
         ctx.destroy(linger=0)
 
 
 def serve_steps(runner, inbox: zmq.Socket, results: zmq.Socket, heartbeat: lifecycle.Heartbeat | None = None,
-                faults: FaultInjector | None = None) -> None:
+                faults: FaultInjector | None = None, relay: TensorParallel | None = None) -> None:
     """Serve plans until Shutdown, at most one launched step's result unsent (see the module docstring).
-    Control messages and Shutdown are handled once the step in flight is finished and its result sent."""
+    Control messages and Shutdown are handled once the step in flight is finished and its result sent.
+    With tensor parallelism (`relay`), every message goes to the other ranks first, and an empty one
+    every idle poll keeps their heartbeats going."""
     steps = StepPipeline(runner, lambda result: ipc.send(results, result), faults)
     while True:
         lifecycle.beat(heartbeat)
@@ -122,8 +149,13 @@ def serve_steps(runner, inbox: zmq.Socket, results: zmq.Socket, heartbeat: lifec
                 steps.complete()
                 continue
         elif not inbox.poll(POLL_MS):
+            if relay is not None:
+                relay.relay(b"")
             continue
-        msg = ipc.recv(inbox)
+        raw = inbox.recv()
+        if relay is not None:
+            relay.relay(raw)
+        msg = p.decode(raw)
         if isinstance(msg, p.StepPlan):
             steps.launch(msg)
             continue
@@ -134,6 +166,26 @@ def serve_steps(runner, inbox: zmq.Socket, results: zmq.Socket, heartbeat: lifec
             ipc.send(results, run_control(runner, msg, heartbeat))
         else:
             log.warning("dropping unexpected message %s", type(msg).__name__)
+
+
+def follow_steps(runner, tp: TensorParallel, heartbeat: lifecycle.Heartbeat | None = None) -> None:
+    """A TP rank other than the leader: run what the leader relays, in its order, until Shutdown. Results
+    and control replies stay here (the leader answers); a failed step repeats here as on the leader."""
+    steps = StepPipeline(runner, lambda result: None)
+    while True:
+        raw = tp.relay(None)
+        lifecycle.beat(heartbeat)
+        if not raw:  # the leader's idle tick
+            continue
+        msg = p.decode(raw)
+        if isinstance(msg, p.StepPlan):
+            steps.launch(msg)
+            continue
+        steps.complete()
+        if isinstance(msg, p.Shutdown):
+            return
+        if isinstance(msg, p.ControlRequest):
+            run_control(runner, msg, heartbeat)
 
 
 def _message_first(inbox: zmq.Socket, step: InFlight) -> bool:

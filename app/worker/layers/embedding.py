@@ -1,32 +1,71 @@
-"""Token embedding and the LM head (which may share the embedding's weight)."""
+"""Token embedding and the LM head (which may share the embedding's weight).
+
+With tensor parallelism both are vocab-parallel: each rank holds ceil(vocab / tp) rows (the last rank's
+tail is zero padding). The embedding looks up the ids in its range and all-reduces; the LM head computes
+its range of logits and all-gathers them.
+"""
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from app.worker.layers.linear import TPSlice, mark_tp_slices
+from app.worker.parallel import SINGLE, TensorParallel
+
 
 class VocabEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype) -> None:
+    def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden, dtype=dtype))
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.rows = math.ceil(vocab_size / tp.size)
+        self.first = tp.rank * self.rows
+        self.weight = nn.Parameter(torch.zeros(self.rows, hidden, dtype=dtype))
+        if tp.size > 1:
+            held = max(0, min(vocab_size, self.first + self.rows) - self.first)
+            mark_tp_slices(self.weight, {None: TPSlice(0, self.first, held, vocab_size)})
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.first
+        outside = (local < 0) | (local >= self.rows)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0))
 
 
 class LMHead(nn.Module):
     """hidden -> float32 logits. With tied embeddings the weight is the embedding's parameter itself,
     so the checkpoint's lm_head tensor (if any) is redundant."""
 
-    def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype, tied: VocabEmbedding | None) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden: int,
+        dtype: torch.dtype,
+        tied: VocabEmbedding | None,
+        tp: TensorParallel = SINGLE,
+    ) -> None:
         super().__init__()
         self.tied = tied is not None
+        self.tp = tp
+        self.vocab_size = vocab_size
         if tied is not None:
             self.weight = tied.weight
         else:
-            self.weight = nn.Parameter(torch.empty(vocab_size, hidden, dtype=dtype))
+            rows = math.ceil(vocab_size / tp.size)
+            self.weight = nn.Parameter(torch.zeros(rows, hidden, dtype=dtype))
+            if tp.size > 1:
+                first = tp.rank * rows
+                held = max(0, min(vocab_size, first + rows) - first)
+                mark_tp_slices(self.weight, {None: TPSlice(0, first, held, vocab_size)})
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight).float()
+        logits = F.linear(hidden, self.weight)
+        if self.tp.size > 1:  # gathered in the model dtype (half the bytes), as TP=1 computes them
+            logits = self.tp.all_gather_last(logits)[..., : self.vocab_size]
+        return logits.float()

@@ -25,10 +25,11 @@ from safetensors import safe_open
 from safetensors.torch import load as load_safetensors
 
 from app.worker.layers import SHARD_ROWS
+from app.worker.layers.linear import TPSlice, tp_slice
 from app.worker.loader.hf_config import load_hf_config
 from app.worker.loader.source import resolve_model_path
 from app.worker.loader.update_group import UpdateGroup, open_update_group
-from app.worker.loader.weights import checkpoint_files, iterate_tensors
+from app.worker.loader.weights import checkpoint_files, iterate_tensors, shard_view
 from app.worker.models.dense import DenseCausalLM
 
 log = logging.getLogger(__name__)
@@ -53,12 +54,32 @@ class _Target:
     param: torch.nn.Parameter
     shard: str | None
 
+    @property
+    def part(self) -> TPSlice | None:
+        """This rank's part of the checkpoint tensor (tensor parallelism), None for all of it."""
+        return tp_slice(self.param, self.shard)
+
     def view(self) -> torch.Tensor:
+        """The rows of the parameter this checkpoint tensor (this rank's part of it) fills."""
         data = self.param.data
         if self.shard is None:
             return data
         first, rows = getattr(self.param, SHARD_ROWS)[self.shard]
         return data.narrow(0, first, rows)
+
+    def checkpoint_shape(self) -> tuple[int, ...]:
+        """The shape of the whole checkpoint tensor that fills this target."""
+        shape = list(self.view().shape)
+        if self.part is not None:
+            shape[self.part.dim] = self.part.full
+        return tuple(shape)
+
+    def fill(self, tensor: torch.Tensor) -> None:
+        """Copy the checkpoint tensor (or, already cut, this rank's part of it) in."""
+        part = self.part
+        if part is not None and tensor.shape[part.dim] == part.full and part.full != part.length:
+            tensor = part.take(tensor)
+        shard_view(self.param, self.shard, part, tensor).copy_(tensor)
 
 
 class TargetMap:
@@ -87,7 +108,7 @@ class TargetMap:
                 continue
             seen.add(name)
             target = _Target(name, self.params[param_name], shard)
-            want = tuple(target.view().shape)
+            want = target.checkpoint_shape()
             if tuple(shape) != want:
                 problems.append(f"tensor {name} has shape {list(shape)}, the model expects {list(want)}")
             elif dtype not in FLOAT_DTYPES:
@@ -108,7 +129,7 @@ def apply(targets: list[_Target], tensors: Iterable[torch.Tensor]) -> int:
     count = 0
     with torch.no_grad():
         for target, tensor in zip(targets, tensors, strict=True):
-            target.view().copy_(tensor)
+            target.fill(tensor)
             count += 1
     return count
 
@@ -163,10 +184,10 @@ def update_from_disk(model: DenseCausalLM, served_config: Any, settings: Any, mo
     by_name = {t.name: t for t in targets}
     count = 0
     with torch.no_grad():  # one checkpoint tensor in memory at a time
-        for name, tensor in iterate_tensors(resolved, files):
+        for name, read in iterate_tensors(resolved, files):
             target = by_name.get(name)
             if target is not None:
-                target.view().copy_(tensor)
+                target.fill(read(target.part))
                 count += 1
     return f"Loaded {count} tensors from {model_dir} ({resolved})."
 

@@ -5,22 +5,26 @@ pt (pytorch_model.bin, or shards listed by pytorch_model.bin.index.json), auto (
 directory has any, else pt), dummy (no files: every floating parameter uniform(-1e-3, 1e-3) from a
 generator seeded 1234). Each checkpoint tensor is read, copied into its (possibly fused) parameter
 in the model's dtype and device, and dropped before the next one, so the checkpoint is never held
-in memory twice. FP8 layers (app.worker.quantization) fill their parameters through their own
-weight loaders and are brought to their run-time form once everything is loaded.
+in memory twice. With tensor parallelism each rank reads only its part of each tensor (the
+parameter's TP slice, app/worker/layers/linear.py). FP8 layers (app.worker.quantization) fill their
+parameters through their own weight loaders and are brought to their run-time form once everything is
+loaded.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
 from app.worker.layers import SHARD_ROWS
-from app.worker.layers.linear import FROM_CHECKPOINT, WEIGHT_LOADER
+from app.worker.layers.linear import FROM_CHECKPOINT, WEIGHT_LOADER, TPSlice, tp_slice
 from app.worker.models.dense import DenseCausalLM
 from app.worker.quantization import FP8_DTYPE, finish_loading
 
@@ -69,18 +73,35 @@ def checkpoint_files(model_dir: Path, load_format: str) -> tuple[str, list[Path]
     return load_format, files
 
 
-def iterate_tensors(load_format: str, files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, CPU tensor) for every tensor of every file, loaded lazily."""
+# A checkpoint tensor not read yet: called with this rank's part (None: the whole tensor), it reads just
+# that (safetensors reads only the slice's bytes; pt is mmap'd, so narrowing pages in only the slice).
+TensorReader = Callable[[TPSlice | None], torch.Tensor]
+
+
+def take(tensor: torch.Tensor, part: TPSlice | None) -> torch.Tensor:
+    return tensor if part is None else part.take(tensor)
+
+
+def _read_safetensors(f: Any, name: str, part: TPSlice | None) -> torch.Tensor:
+    if part is not None:
+        piece = f.get_slice(name)
+        if part.splits(piece.get_shape()):
+            return piece[(slice(None),) * part.dim + (slice(part.start, part.start + part.length),)]
+    return f.get_tensor(name)
+
+
+def iterate_tensors(load_format: str, files: list[Path]) -> Iterator[tuple[str, TensorReader]]:
+    """(name, reader) for every tensor of every file; a reader must be called before the next item."""
     for path in files:
         if load_format == "safetensors":
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    yield name, partial(_read_safetensors, f, name)
         else:
             # mmap: tensors are paged in as they are copied, not read up front.
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             for name in list(state):
-                yield name, state.pop(name)
+                yield name, partial(take, state.pop(name))
 
 
 def _listed(names: list[str]) -> str:
@@ -88,9 +109,9 @@ def _listed(names: list[str]) -> str:
     return shown + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
 
 
-def load_tensors(model: DenseCausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -> int:
-    """Copy checkpoint tensors into the model; every parameter must be filled exactly once.
-    Returns the number of tensors loaded."""
+def load_tensors(model: DenseCausalLM, tensors: Iterator[tuple[str, torch.Tensor | TensorReader]]) -> int:
+    """Copy checkpoint tensors (or, with tensor parallelism, this rank's parts of them) into the model;
+    every parameter must be filled exactly once. Returns the number of tensors loaded."""
     params = dict(model.named_parameters())
     expected = {
         name
@@ -109,7 +130,13 @@ def load_tensors(model: DenseCausalLM, tensors: Iterator[tuple[str, torch.Tensor
             continue
         if name in seen:
             raise CheckpointError(f"checkpoint tensor {name} appears twice")
-        _copy_into(params[param_name], tensor, name, shard)
+        param = params[param_name]
+        part = tp_slice(param, shard)
+        try:
+            piece = tensor(part) if callable(tensor) else take(tensor, part)
+        except ValueError as exc:  # the tensor's size along the split dimension is wrong
+            raise CheckpointError(f"checkpoint tensor {name} {exc}") from exc
+        _copy_into(param, piece, name, shard, part)
         seen.add(name)
     if unexpected:
         raise CheckpointError(f"unexpected tensors in the checkpoint: {_listed(sorted(unexpected))}")
@@ -119,7 +146,20 @@ def load_tensors(model: DenseCausalLM, tensors: Iterator[tuple[str, torch.Tensor
     return len(seen)
 
 
-def _copy_into(param: nn.Parameter, tensor: torch.Tensor, name: str, shard: str | None) -> None:
+def shard_view(param: nn.Parameter, shard: str | None, part: TPSlice | None, tensor: torch.Tensor) -> torch.Tensor:
+    """Where a checkpoint tensor (or this rank's part of it) goes in its parameter: the shard's rows, and
+    within them the part's leading elements (the rest is the last vocab shard's zero padding)."""
+    target = param.data
+    if shard is not None:
+        first, rows = getattr(param, SHARD_ROWS)[shard]
+        target = target.narrow(0, first, rows)
+    if part is not None and tensor.dim() > part.dim and tensor.shape[part.dim] == part.length < target.shape[part.dim]:
+        target = target.narrow(part.dim, 0, part.length)
+    return target
+
+
+def _copy_into(param: nn.Parameter, tensor: torch.Tensor, name: str, shard: str | None,
+               part: TPSlice | None = None) -> None:
     if not tensor.is_floating_point():
         raise CheckpointError(f"checkpoint tensor {name} has dtype {tensor.dtype}; only float weights load")
     loader = getattr(param, WEIGHT_LOADER, None)
@@ -134,10 +174,7 @@ def _copy_into(param: nn.Parameter, tensor: torch.Tensor, name: str, shard: str 
             f"checkpoint tensor {name} is FP8 but the model holds it in {param.dtype}: its quantization "
             "is not supported (only decoder linears are quantized)"
         )
-    target = param.data
-    if shard is not None:
-        first, rows = getattr(param, SHARD_ROWS)[shard]
-        target = target.narrow(0, first, rows)
+    target = shard_view(param, shard, part, tensor)
     if tuple(tensor.shape) != tuple(target.shape):
         raise CheckpointError(
             f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "

@@ -20,7 +20,6 @@ from app.worker.attention import AttentionMetadata, AttentionSpec
 from app.worker.kv_cache import KVCacheSpec
 from app.worker.layers import (
     GateUpLinear,
-    Linear,
     LMHead,
     QKVLinear,
     RMSNorm,
@@ -30,6 +29,8 @@ from app.worker.layers import (
     VocabEmbedding,
     rope_spec_from_config,
 )
+from app.worker.layers.linear import RowParallelLinear, local_kv_heads
+from app.worker.parallel import SINGLE, TensorParallel
 
 if TYPE_CHECKING:
     from app.worker.quantization import Fp8LinearMethod
@@ -42,6 +43,7 @@ class DenseOptions:
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     quant: Fp8LinearMethod | None = None  # FP8 decoder linears (embeddings and LM head stay unquantized)
+    tp: TensorParallel = SINGLE  # this rank's tensor-parallel group: heads, MLP rows and vocab are split
 
 
 @dataclass(frozen=True)
@@ -69,16 +71,40 @@ class DenseDims:
             eps=config.rms_norm_eps,
         )
 
+    def check_tp(self, size: int) -> None:
+        """Tensor parallelism splits the query heads and the MLP rows evenly; KV heads are split too, or
+        replicated when fewer than the ranks."""
+        problems = []
+        if self.num_heads % size:
+            problems.append(f"the {self.num_heads} attention heads")
+        if self.num_kv_heads % size and size % self.num_kv_heads:
+            problems.append(f"the {self.num_kv_heads} KV heads (or be a multiple of them)")
+        if self.intermediate % size:
+            problems.append(f"the MLP's {self.intermediate} intermediate rows")
+        if problems:
+            raise ValueError(f"--tensor-parallel-size {size} must divide {' and '.join(problems)} of this model")
+
+    def local(self, tp: TensorParallel) -> DenseDims:
+        """The dimensions one TP rank holds."""
+        return replace(
+            self,
+            num_heads=self.num_heads // tp.size,
+            num_kv_heads=local_kv_heads(self.num_kv_heads, tp)[1],
+            intermediate=self.intermediate // tp.size,
+        )
+
 
 class DenseAttention(nn.Module):
     def __init__(self, dims: DenseDims, opts: DenseOptions, layer_idx: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.dims = dims
+        self.dims = dims.local(opts.tp)
         self.qkv_proj = QKVLinear(
-            dims.hidden, dims.num_heads, dims.num_kv_heads, dims.head_dim, opts.qkv_bias, dtype, opts.quant
+            dims.hidden, dims.num_heads, dims.num_kv_heads, dims.head_dim, opts.qkv_bias, dtype, opts.quant, opts.tp
         )
-        self.o_proj = Linear(dims.num_heads * dims.head_dim, dims.hidden, opts.o_bias, dtype, opts.quant)
+        self.o_proj = RowParallelLinear(
+            dims.num_heads * dims.head_dim, dims.hidden, opts.o_bias, dtype, opts.quant, opts.tp
+        )
         if opts.qk_norm:
             self.q_norm = RMSNorm(dims.head_dim, dims.eps, dtype)
             self.k_norm = RMSNorm(dims.head_dim, dims.eps, dtype)
@@ -100,9 +126,9 @@ class DenseAttention(nn.Module):
 class DenseMLP(nn.Module):
     def __init__(self, dims: DenseDims, opts: DenseOptions, dtype: torch.dtype) -> None:
         super().__init__()
-        self.gate_up_proj = GateUpLinear(dims.hidden, dims.intermediate, opts.mlp_bias, dtype, opts.quant)
+        self.gate_up_proj = GateUpLinear(dims.hidden, dims.intermediate, opts.mlp_bias, dtype, opts.quant, opts.tp)
         self.act = SiluAndMul()
-        self.down_proj = Linear(dims.intermediate, dims.hidden, opts.mlp_bias, dtype, opts.quant)
+        self.down_proj = RowParallelLinear(dims.intermediate, dims.hidden, opts.mlp_bias, dtype, opts.quant, opts.tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -137,7 +163,7 @@ class DenseModel(nn.Module):
         self, dims: DenseDims, opts: DenseOptions, rotary: RotaryEmbedding, dtype: torch.dtype
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(dims.vocab_size, dims.hidden, dtype)
+        self.embed_tokens = VocabEmbedding(dims.vocab_size, dims.hidden, dtype, opts.tp)
         self.layers = nn.ModuleList(DenseDecoderLayer(dims, opts, i, dtype) for i in range(dims.num_layers))
         self.norm = RMSNorm(dims.hidden, dims.eps, dtype)
         self.rotary = rotary
@@ -175,24 +201,32 @@ class DenseCausalLM(nn.Module):
         raise NotImplementedError(f"{cls.__name__} must choose its DenseOptions")
 
     def __init__(
-        self, config: Any, dtype: torch.dtype, max_positions: int, quant: Fp8LinearMethod | None = None
+        self,
+        config: Any,
+        dtype: torch.dtype,
+        max_positions: int,
+        quant: Fp8LinearMethod | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         _check_supported(config, max_positions)
         self.dims = dims = DenseDims.from_config(config)
+        dims.check_tp(tp.size)
         self.dtype = dtype
         rotary = RotaryEmbedding(rope_spec_from_config(config, dims.head_dim), max_positions)
-        self.model = DenseModel(dims, replace(self.options(config), quant=quant), rotary, dtype)
+        self.model = DenseModel(dims, replace(self.options(config), quant=quant, tp=tp), rotary, dtype)
         tied = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = LMHead(dims.vocab_size, dims.hidden, dtype, self.model.embed_tokens if tied else None)
+        self.lm_head = LMHead(dims.vocab_size, dims.hidden, dtype, self.model.embed_tokens if tied else None, tp)
+        self.local_dims = dims.local(tp)
 
     @property
     def attention_spec(self) -> AttentionSpec:
-        d = self.dims
+        d = self.local_dims
         return AttentionSpec(d.num_heads, d.num_kv_heads, d.head_dim, d.head_dim**-0.5)
 
     def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
-        return KVCacheSpec(self.dims.num_layers, self.dims.num_kv_heads, self.dims.head_dim, dtype)
+        d = self.local_dims
+        return KVCacheSpec(d.num_layers, d.num_kv_heads, d.head_dim, dtype)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata

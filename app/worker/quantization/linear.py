@@ -196,10 +196,10 @@ class Fp8LinearMethod:
 
     # ------------------------------------------------------------------ forward
 
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         input_scale = layer.input_scale if self.scheme.static_activations else None
         return fp8_linear(
-            x, layer.weight, layer.weight_scale.view(1, -1), input_scale, layer.bias, layer.fp8_backend
+            x, layer.weight, layer.weight_scale.view(1, -1), input_scale, bias, layer.fp8_backend
         )
 
 

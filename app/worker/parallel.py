@@ -1,0 +1,132 @@
+"""A worker's tensor-parallel group (app/topology.py says who is in it) on torch.distributed.
+
+Two process groups over the same ranks: the device group (NCCL on CUDA, gloo on CPU) carries the
+model's collectives (all-reduce after row-parallel layers, the logits' all-gather, the sampled tokens'
+broadcast); a gloo group carries the leader's relay of the scheduler's messages, which are host bytes.
+On CPU the two are the same gloo group.
+
+`SINGLE` stands for no parallelism: its collectives are identities, so layers call them unconditionally.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import struct
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("tokenspeed.worker")
+
+# The relay broadcasts one fixed-size frame per message (8-byte length, then the payload); a message
+# longer than the frame follows in a second broadcast. Most step plans fit: one collective per message.
+RELAY_FRAME_BYTES = 16 << 10
+_LENGTH = struct.Struct("<q")
+# Ranks wait this long for each other (start-up: the slowest rank's weight loading; then the leader
+# relays an idle tick every second, so a live group never comes near it).
+GROUP_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+class TensorParallel:
+    """This process's rank in a TP group of `size` ranks."""
+
+    def __init__(self, rank: int = 0, size: int = 1) -> None:
+        self.rank = rank
+        self.size = size
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def join(cls, rank: int, size: int, device: torch.device, init_method: str) -> TensorParallel:
+        """Rendezvous with the other ranks at init_method (tcp://host:port)."""
+        if size == 1:
+            return SINGLE
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        kwargs = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(backend, init_method=init_method, world_size=size, rank=rank,
+                                timeout=GROUP_TIMEOUT, **kwargs)
+        group = Distributed(rank, size, device)
+        log.info("tensor parallel rank %d of %d joined (%s, %s)", rank, size, backend, init_method)
+        return group
+
+    # Identities at size 1; Distributed overrides them.
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def min_int(self, value: int) -> int:
+        return value
+
+    def relay(self, payload: bytes | None) -> bytes:
+        if payload is None:
+            raise RuntimeError("a single-rank group has nobody to relay from")
+        return payload
+
+    def close(self) -> None:
+        pass
+
+
+SINGLE = TensorParallel()
+
+
+class Distributed(TensorParallel):
+    def __init__(self, rank: int, size: int, device: torch.device) -> None:
+        super().__init__(rank, size)
+        self.device = device
+        self.cpu_group = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT) if device.type == "cuda" else None
+        self._frame = torch.empty(RELAY_FRAME_BYTES, dtype=torch.uint8)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's x along the last dimension, in rank order."""
+        flat = torch.empty(self.size * x.numel(), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(flat, x.contiguous().view(-1))
+        return torch.cat(flat.view(self.size, *x.shape).unbind(0), dim=-1)
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """The leader's x, on every rank (in place)."""
+        dist.broadcast(x, src=0)
+        return x
+
+    def min_int(self, value: int) -> int:
+        """The smallest value any rank holds (e.g. KV blocks: every rank must hold the same pool)."""
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return int(t.item())
+
+    def relay(self, payload: bytes | None) -> bytes:
+        """The leader passes a message (bytes) and every other rank gets it back; blocks until it has."""
+        frame = self._frame
+        if self.leader:
+            assert payload is not None
+            head = _LENGTH.pack(len(payload)) + payload[: RELAY_FRAME_BYTES - _LENGTH.size]
+            frame[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+        dist.broadcast(frame, src=0, group=self.cpu_group)
+        (length,) = _LENGTH.unpack(frame[: _LENGTH.size].numpy().tobytes())
+        first = min(length, RELAY_FRAME_BYTES - _LENGTH.size)
+        if self.leader:
+            rest = payload[first:]
+            if rest:
+                dist.broadcast(torch.frombuffer(bytearray(rest), dtype=torch.uint8), src=0, group=self.cpu_group)
+            return payload
+        data = frame[_LENGTH.size: _LENGTH.size + first].numpy().tobytes()
+        if length > first:
+            rest = torch.empty(length - first, dtype=torch.uint8)
+            dist.broadcast(rest, src=0, group=self.cpu_group)
+            data += rest.numpy().tobytes()
+        return data
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,155 @@
+"""Tensor parallelism on CPU (gloo), real processes: each rank's weight shards against slices of the full
+checkpoint tensors (computed here independently of the layers' own bookkeeping), and greedy outputs of a
+TP group, driven through the leader's relay (the worker's real follow loop on the other ranks), against
+the single-process run."""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from app import protocol as p
+from app.supervisor import free_port
+from app.worker.model_runner import ModelRunner
+from tests.support.model_factory import build_tiny_model
+from tests.unit.test_model_runner import CPU, Request, ScriptedScheduler, make_settings, prompts_for
+
+JOIN_TIMEOUT_S = 120
+
+
+def expected_shards(full: dict[str, torch.Tensor], config: dict[str, Any], rank: int, size: int) -> dict[str, torch.Tensor]:
+    """Parameter name -> what rank `rank` must hold, from the checkpoint's full tensors."""
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    inter, vocab = config["intermediate_size"], config["vocab_size"]
+
+    def rows(t: torch.Tensor, first: int, n: int) -> torch.Tensor:
+        return t[first : first + n]
+
+    q_heads = heads // size
+    kv_first, kv_n = (rank * kv_heads // size, kv_heads // size) if kv_heads >= size else (rank * kv_heads // size, 1)
+    vocab_rows = math.ceil(vocab / size)
+    want: dict[str, torch.Tensor] = {}
+    for name, t in full.items():
+        if ".q_proj." in name:
+            target = name.replace(".q_proj.", ".qkv_proj.")
+            k, v = full[name.replace(".q_proj.", ".k_proj.")], full[name.replace(".q_proj.", ".v_proj.")]
+            want[target] = torch.cat([rows(t, rank * q_heads * head_dim, q_heads * head_dim),
+                                      rows(k, kv_first * head_dim, kv_n * head_dim),
+                                      rows(v, kv_first * head_dim, kv_n * head_dim)])
+        elif ".gate_proj." in name:
+            up = full[name.replace(".gate_proj.", ".up_proj.")]
+            n = inter // size
+            want[name.replace(".gate_proj.", ".gate_up_proj.")] = torch.cat([rows(t, rank * n, n), rows(up, rank * n, n)])
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            n = t.shape[1] // size
+            want[name] = t[:, rank * n : (rank + 1) * n]
+        elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            held = t[rank * vocab_rows : (rank + 1) * vocab_rows]
+            want[name] = torch.cat([held, held.new_zeros(vocab_rows - len(held), t.shape[1])])
+        elif not any(part in name for part in (".k_proj.", ".v_proj.", ".up_proj.")):
+            want[name] = t  # norms and row-parallel biases: whole on every rank
+    return want
+
+
+def _rank_main(rank: int, size: int, init: str, model_dir: str, prompts: list[list[int]], queue: Any) -> None:
+    try:
+        torch.set_num_threads(1)
+        from app.worker.parallel import TensorParallel
+        from app.worker.process import follow_steps
+
+        tp = TensorParallel.join(rank, size, CPU, init)
+        runner = ModelRunner(make_settings(Path(model_dir)), CPU, tp)
+        runner.warmup()
+        import json
+
+        config = json.loads(Path(model_dir, "config.json").read_text())
+        want = expected_shards(load_file(str(Path(model_dir, "model.safetensors"))), config, rank, size)
+        params = dict(runner.model.named_parameters())
+        wrong = sorted(n for n, t in want.items() if not torch.equal(params[n].detach(), t))
+        if not tp.leader:
+            follow_steps(runner, tp)
+            queue.put((rank, wrong, None))
+            return
+        relayed = _RelayingRunner(runner, tp)
+        sched = ScriptedScheduler(relayed)
+        for i, prompt in enumerate(prompts):
+            sched.add(Request(f"r{i}", prompt, max_new=10, join_step=2 * i))
+        outputs = sched.run()
+        tp.relay(p.encode(p.Shutdown()))
+        queue.put((rank, wrong, outputs))
+    except Exception:
+        queue.put((rank, ["error"], traceback.format_exc()))
+
+
+class _RelayingRunner:
+    """The leader's side of the worker loop: every plan goes to the other ranks before it runs here."""
+
+    def __init__(self, runner: ModelRunner, tp: Any) -> None:
+        self.runner, self.tp = runner, tp
+        self.block_size, self.max_num_seqs = runner.block_size, runner.max_num_seqs
+
+    def ready_message(self) -> p.WorkerReady:
+        return self.runner.ready_message()
+
+    def execute(self, plan: p.StepPlan) -> p.StepResult:
+        self.tp.relay(p.encode(plan))
+        return self.runner.execute(plan)
+
+
+def run_group(model_dir: Path, size: int, prompts: list[list[int]]) -> dict[int, tuple[list[str], Any]]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    init = f"tcp://127.0.0.1:{free_port()}"
+    procs = [ctx.Process(target=_rank_main, args=(r, size, init, str(model_dir), prompts, queue)) for r in range(size)]
+    for proc in procs:
+        proc.start()
+    try:
+        results = {}
+        for _ in range(size):
+            rank, wrong, outputs = queue.get(timeout=JOIN_TIMEOUT_S)
+            results[rank] = (wrong, outputs)
+        return results
+    finally:
+        for proc in procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+@pytest.mark.parametrize(("arch", "size"), [("llama", 2), ("qwen2", 2), ("qwen3", 2), ("llama", 4)])
+def test_tp_shards_and_greedy_outputs_match_one_process(arch: str, size: int, tmp_path: Path) -> None:
+    model_dir = build_tiny_model(arch, tmp_path / arch, seed=3)
+    single = ModelRunner(make_settings(model_dir), CPU)
+    single.warmup()
+    prompts = prompts_for(single.vocab_size, [5, 23, 12, 9], seed=4)  # 23 tokens: two prefill chunks
+    sched = ScriptedScheduler(single)
+    for i, prompt in enumerate(prompts):
+        sched.add(Request(f"r{i}", prompt, max_new=10, join_step=2 * i))
+    expected = sched.run()
+
+    results = run_group(model_dir, size, prompts)
+    for rank, (wrong, outputs) in results.items():
+        assert wrong == [], f"rank {rank}: {wrong} {outputs if wrong == ['error'] else ''}"
+    assert results[0][1] == expected
+
+
+def test_tp_sizes_that_do_not_divide_the_model_are_refused(tmp_path: Path) -> None:
+    from app.worker.models.dense import DenseDims
+
+    dims = DenseDims(hidden=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate=96, num_layers=1,
+                     vocab_size=100, eps=1e-6)
+    dims.check_tp(2)
+    dims.check_tp(4)  # KV heads replicated
+    with pytest.raises(ValueError, match="--tensor-parallel-size 3 must divide the 4 attention heads"):
+        dims.check_tp(3)
+    with pytest.raises(ValueError, match="intermediate rows"):
+        DenseDims(64, 8, 8, 8, 100, 1, 100, 1e-6).check_tp(8)

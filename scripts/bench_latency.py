@@ -8,9 +8,14 @@ median, p90, mean), the batch's decode tokens/s from the median, and, with CUDA 
 replay alone timed with CUDA events (the GPU-side step). On CUDA the copy bandwidth (bytes/s, read +
 write) is measured in the same process (or given by --copy-bandwidth) for the weight-read roofline
 (bandwidth / weight bytes steps per second) and the ratio of the measured step rate to it.
+Also recorded: the precision (--quantization, --kv-cache-dtype, as given and as the worker describes
+them) and the KV pool the runner sized (tokens and bytes); with --output-len 2 the run is little more
+than a start-up, which is how the KV pool of one setting is read.
 
   python scripts/bench_latency.py --model configs/models/llama-3.1-8b --load-format dummy \\
       --dtype bfloat16 --batch-size 1 --input-len 512 --output-len 128 --json out.json
+  (FP8 weights quantized at load from the dummy bf16 ones, FP8 KV cache: add
+      --quantization fp8 --kv-cache-dtype fp8_e4m3)
 """
 
 from __future__ import annotations
@@ -45,13 +50,37 @@ def runner_settings(args: argparse.Namespace, **overrides: Any) -> Any:
         "enforce_eager": args.enforce_eager,
         "block_size": args.block_size,
         "seed": 0,
+        "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "max_total_tokens": args.max_total_tokens,
     }
     if args.attention_backend:
         fields["attention_backend"] = args.attention_backend
     if args.max_model_len:
         fields["max_model_len"] = args.max_model_len
+    if args.max_cudagraph_capture_size:
+        fields["max_cudagraph_capture_size"] = args.max_cudagraph_capture_size
     fields.update(overrides)
     return Settings(**fields)
+
+
+def runner_figures(runner: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """What the runner built, for the JSON: the precision flags as given and as the worker describes
+    them, and the KV pool (tokens and bytes: an FP8 cache holds twice the tokens of bf16 in the same
+    bytes)."""
+    info = runner.ready_message().info
+    return {
+        "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "weights_detail": info["quantization"],
+        "kv_cache_detail": info["kv_cache_dtype"],
+        "kv_pool_tokens": info["kv_pool_tokens"],
+        "kv_pool_bytes": runner.kv_cache.nbytes,  # the pool plus the CUDA-graph scratch block
+        "kv_bytes_per_token": runner.model.kv_cache_spec(runner.kv_dtype).bytes_per_token,
+        "max_total_tokens": args.max_total_tokens,
+        "cuda_graph_sizes": info["cuda_graph_sizes"],
+        "startup_phases_s": info["startup_phases"],
+    }
 
 
 def add_common_flags(parser: argparse.ArgumentParser) -> None:
@@ -63,6 +92,21 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument(
+        "--quantization",
+        default=None,
+        help="weight quantization (fp8, w8a8_fp8, ...); default: the checkpoint's",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", help="auto (the model dtype) or fp8_e4m3 (alias fp8)"
+    )
+    parser.add_argument("--max-total-tokens", type=int, default=None, help="cap the KV pool (tokens)")
+    parser.add_argument(
+        "--max-cudagraph-capture-size",
+        type=int,
+        default=None,
+        help="largest decode batch captured (default 256)",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", default=None, help="write the results here")
 
@@ -175,6 +219,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "input_len": args.input_len,
         "output_len": args.output_len,
         "weights_gb": runner.weights_bytes / 1e9,
+        **runner_figures(runner, args),
         "start_to_ready_s": ready_s,
         "prefill_ms": prefill_ms,
         "decode_step_ms": stats,

@@ -3,7 +3,13 @@
 
 N requests of --input-len random prompt tokens and exactly --output-len new tokens (ignore_eos) are
 queued at once; the loop plans, executes and feeds results back until all finish. Reported: output
-and total tokens/s, requests/s, steps and mean step time.
+and total tokens/s, requests/s, steps, mean step time, preemptions, the most requests running at
+once, the KV pool (tokens and bytes) and the precision, and a digest of every request's token ids.
+
+Steps overlap as in the appliance (app/scheduler/process.py, app/worker/process.py): the scheduler
+keeps MAX_INFLIGHT_STEPS plans out, and the worker's StepPipeline launches step N+1 before it reads
+step N's tokens back, so planning, staging and result processing run while the GPU computes.
+--no-overlap runs each step start to end instead (execute, then process_result).
 
   python scripts/bench_offline.py --model configs/models/llama-3.1-8b --load-format dummy \\
       --dtype bfloat16 --num-requests 256 --input-len 512 --output-len 256 --max-num-seqs 256
@@ -12,20 +18,127 @@ and total tokens/s, requests/s, steps and mean step time.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from bench_latency import add_common_flags, runner_settings, sync  # noqa: E402
 
 from app import protocol as p  # noqa: E402
+from app.scheduler.process import MAX_INFLIGHT_STEPS  # noqa: E402
 from app.scheduler.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from app.worker.process import StepPipeline  # noqa: E402
+from scripts.bench_latency import add_common_flags, runner_figures, runner_settings, sync  # noqa: E402
+
+
+@dataclass
+class Outcome:
+    """What one drive of the scheduler produced."""
+
+    steps: int = 0
+    finished: int = 0
+    max_running: int = 0
+    outputs: dict[str, list[int]] = field(default_factory=dict)  # request id -> its token ids
+    report_every: float = 0.0  # seconds between progress lines on stderr (0: none)
+    started: float = field(default_factory=time.perf_counter)
+    last_report: float = field(default_factory=time.perf_counter)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(len(ids) for ids in self.outputs.values())
+
+    def digest(self) -> str:
+        """sha256 of every request's token ids, in request id order: equal runs have equal digests."""
+        text = json.dumps(sorted(self.outputs.items()), separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def take(self, deltas: list[p.TokenDelta]) -> None:
+        """Record a step's deltas; a failed request fails the benchmark (its figures would be wrong)."""
+        for delta in deltas:
+            if delta.error is not None:
+                raise RuntimeError(f"request {delta.rid} failed: {delta.error}")
+            self.outputs.setdefault(delta.rid, []).extend(delta.token_ids)
+            self.finished += delta.finish_reason is not None
+
+    def note(self, scheduler: Scheduler) -> None:
+        """After each processed step: the concurrency reached, and now and then a progress line (a run
+        cut by its time limit still tells how far it got)."""
+        self.max_running = max(self.max_running, len(scheduler.running))
+        now = time.perf_counter()
+        if self.report_every and now - self.last_report >= self.report_every:
+            self.last_report = now
+            elapsed = now - self.started
+            print(f"{elapsed:.1f} s: {self.steps} steps, {self.finished} finished, {self.output_tokens} output "
+                  f"tokens ({self.output_tokens / elapsed:.0f}/s), {len(scheduler.running)} running, "
+                  f"{len(scheduler.waiting)} waiting, {scheduler.num_preemptions} preemptions",
+                  file=sys.stderr, flush=True)  # fmt: skip
+
+
+def make_requests(args: argparse.Namespace, vocab_size: int) -> list[p.TokenizedRequest]:
+    """--num-requests random prompts (seeded: every run gets the same ones)."""
+    gen = torch.Generator().manual_seed(1)
+    sampling = p.SamplingParams(temperature=args.temperature, max_new_tokens=args.output_len, ignore_eos=True)
+    now = time.time()
+    return [
+        p.TokenizedRequest(f"r{i}", torch.randint(0, vocab_size, (args.input_len,), generator=gen).tolist(),
+                           sampling, now)
+        for i in range(args.num_requests)
+    ]  # fmt: skip
+
+
+def drive_sequential(scheduler: Scheduler, runner: Any, outcome: Outcome) -> None:
+    """Each step start to end: plan, execute (tokens back on the host), process the result."""
+    while scheduler.has_work():
+        plan = _next_plan(scheduler)
+        outcome.steps += 1
+        outcome.take(scheduler.process_result(runner.execute(plan)))
+        outcome.note(scheduler)
+
+
+def drive_overlapped(scheduler: Scheduler, runner: Any, outcome: Outcome) -> None:
+    """The appliance's overlap in one process: the scheduler process's loop (plan while fewer than
+    MAX_INFLIGHT_STEPS are out, then process the oldest result) around the worker's StepPipeline
+    (launch a plan, then finish the step before it), with a list in place of the sockets."""
+    results: deque[p.StepResult] = deque()
+    pipeline = StepPipeline(runner, results.append)
+    while scheduler.has_work() or scheduler.num_inflight_steps:
+        while scheduler.num_inflight_steps < MAX_INFLIGHT_STEPS:
+            plan = scheduler.schedule()
+            if plan is None:
+                break
+            pipeline.launch(plan)  # finishes the step before it: its result lands in `results`
+            outcome.steps += 1
+        if not results:
+            if pipeline.inflight is None:
+                raise RuntimeError(_STALLED)
+            pipeline.complete()  # nothing more to plan until the step in flight is back
+        while results:
+            outcome.take(scheduler.process_result(results.popleft()))
+        outcome.note(scheduler)
+
+
+_STALLED = "the scheduler has work but planned no step and none is in flight"
+
+
+def _next_plan(scheduler: Scheduler) -> p.StepPlan:
+    plan = scheduler.schedule()
+    if plan is None:
+        raise RuntimeError(_STALLED)
+    return plan
+
+
+DRIVERS: dict[bool, Callable[[Scheduler, Any, Outcome], None]] = {
+    True: drive_overlapped,
+    False: drive_sequential,
+}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -38,6 +151,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len or args.input_len + args.output_len,
         chunked_prefill_size=args.chunked_prefill_size,
+        max_queued_requests=max(args.num_requests, 1),  # all are queued at once: none may be refused
     )
     runner = ModelRunner(settings, device)
     device = runner.device  # with its index
@@ -45,46 +159,44 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ready = runner.ready_message()
     ready_s = time.perf_counter() - started
     scheduler = Scheduler(SchedulerConfig.from_settings(settings, ready))
-    gen = torch.Generator().manual_seed(1)
-    sampling = p.SamplingParams(temperature=args.temperature, max_new_tokens=args.output_len, ignore_eos=True)
-    for i in range(args.num_requests):
-        prompt = torch.randint(0, runner.vocab_size, (args.input_len,), generator=gen).tolist()
-        scheduler.add_request(p.TokenizedRequest(f"r{i}", prompt, sampling, time.time()))
+    for request in make_requests(args, runner.vocab_size):
+        scheduler.add_request(request)
+    overlap = not args.no_overlap
     sync(device)
+    outcome = Outcome(report_every=args.progress_every)
     t0 = time.perf_counter()
-    steps, output_tokens, finished = 0, 0, 0
-    while scheduler.has_work():
-        plan = scheduler.schedule()
-        if plan is None:
-            continue
-        result = runner.execute(plan)
-        steps += 1
-        for delta in scheduler.process_result(result):
-            output_tokens += len(delta.token_ids)
-            finished += delta.finish_reason is not None
+    with torch.inference_mode():  # as the worker process runs its steps
+        DRIVERS[overlap](scheduler, runner, outcome)
     sync(device)
     elapsed = time.perf_counter() - t0
     return {
         "model": args.model,
         "attention_backend": runner.attention_backend_name,
         "cuda_graphs": runner.graphs is not None,
+        "overlap": overlap,
         "num_requests": args.num_requests,
-        "finished": finished,
+        "finished": outcome.finished,
         "input_len": args.input_len,
         "output_len": args.output_len,
         "max_num_seqs": args.max_num_seqs,
-        "kv_pool_tokens": ready.info["kv_pool_tokens"],
+        "chunked_prefill_size": args.chunked_prefill_size,
+        "weights_gb": runner.weights_bytes / 1e9,
+        **runner_figures(runner, args),
         "start_to_ready_s": ready_s,
         "elapsed_s": elapsed,
-        "steps": steps,
-        "mean_step_ms": elapsed * 1e3 / max(steps, 1),
-        "output_tokens_per_s": output_tokens / elapsed,
-        "total_tokens_per_s": (output_tokens + args.num_requests * args.input_len) / elapsed,
-        "requests_per_s": finished / elapsed,
+        "steps": outcome.steps,
+        "mean_step_ms": elapsed * 1e3 / max(outcome.steps, 1),
+        "max_running": outcome.max_running,
+        "preemptions": scheduler.num_preemptions,
+        "output_tokens": outcome.output_tokens,
+        "output_tokens_per_s": outcome.output_tokens / elapsed,
+        "total_tokens_per_s": (outcome.output_tokens + args.num_requests * args.input_len) / elapsed,
+        "requests_per_s": outcome.finished / elapsed,
+        "output_sha256": outcome.digest(),
     }
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -95,7 +207,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--chunked-prefill-size", type=int, default=8192)
     parser.add_argument("--temperature", type=float, default=0.0)
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="run each step start to end (no step in flight while planning)",
+    )
+    parser.add_argument(
+        "--progress-every",
+        type=float,
+        default=30.0,
+        help="seconds between progress lines on stderr (0: none)",
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     result = run(args)
     text = json.dumps(result, indent=2)
     print(text)

@@ -6,8 +6,19 @@
 # latency / offline benchmarks on configs/models/llama-3.1-8b (dummy bf16 weights) and transformers'
 # generate for reference, writes JSON under $OUT and prints one table last. flashinfer's JIT cache
 # lives in .fi_cache/ (carry it in; it comes back as $OUT/fi_cache.tar.gz) and compiles in the
-# background while the first stages run. Stages: roofline latency_triton tests latency_flashinfer
-# latency_b32 offline hf tests_8b.
+# background while the first stages run. Default stages: roofline latency_triton tests
+# latency_flashinfer latency_b32 offline hf tests_8b. Named only (each with its own time needs):
+#   idle serving             GPU idle between steps; the whole appliance over HTTP
+#   latency_fp8              batch-1 flashinfer latency, bf16 weights then FP8 (quantized at load): ~70 s
+#   kv_pool                  start-up only, bf16 KV then FP8 KV: kv_pool_tokens of each: ~50 s, plus
+#                            ~110 s the first time for flashinfer's FP8-KV kernels (JIT; then cached)
+#   offline_no_overlap       the offline stage without step overlap (compare with offline): ~30 s
+#   offline_1000             1000 requests of 1000 in / 1000 out, flashinfer, bf16: ~200 s
+#   offline_1000_fp8         the same with FP8 weights: ~170 s
+#   offline_1000_fp8kv       the same with FP8 weights and an FP8 KV cache: ~150 s (run kv_pool before it,
+#                            or carry a cache that has the FP8-KV kernels: warm_flashinfer builds bf16 only)
+# A stage that cannot finish before DEADLINE is skipped rather than cut (offline_1000*), so give each
+# 1000-request stage a device call of its own unless the estimates above add up.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/ts_out}
@@ -16,6 +27,11 @@ mkdir -p "$OUT" "$RUN"
 export PYTHONUNBUFFERED=1
 MODEL=configs/models/llama-3.1-8b
 STAGES=${*:-roofline latency_triton tests latency_flashinfer latency_b32 offline hf tests_8b}
+KNOWN=" roofline latency_triton tests latency_flashinfer latency_b32 offline offline_no_overlap latency_fp8 kv_pool \
+offline_1000 offline_1000_fp8 offline_1000_fp8kv hf tests_8b idle serving "
+for s in $STAGES; do  # every name checked before anything runs
+  [[ $KNOWN == *" $s "* ]] || { echo "unknown stage $s; known:$KNOWN"; exit 2; }
+done
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || { echo "wheel install failed"; exit 1; }
@@ -51,6 +67,32 @@ latency() {  # latency NAME BACKEND BATCH [extra flags]
     --attention-backend "$backend" --batch-size "$batch" --input-len 512 --output-len 128 \
     --json "$RUN/$name.json" "$@"
 }
+fits() {  # fits NAME SECONDS: true if SECONDS are left before DEADLINE, else the stage is marked skipped
+  local left=$((DEADLINE - SECONDS))
+  [ "$left" -ge "$2" ] && return 0
+  echo "skipped (needs ~$2 s, $left s left)" > "$RUN/$1.status"; echo "== $1: skipped (needs ~$2 s, $left s left)"
+  return 1
+}
+run_kv_pool() {  # run_kv_pool NAME TIMEOUT [flags]: start-up and one decode step; the default backend for the KV dtype
+  local name=$1 limit=$2; shift 2
+  stage "$name" "$limit" python3 scripts/bench_latency.py --model $MODEL --load-format dummy --dtype bfloat16 \
+    ${KV_POOL_BACKEND:+--attention-backend "$KV_POOL_BACKEND"} --batch-size 1 --input-len 128 --output-len 2 \
+    --max-model-len 2048 --json "$RUN/$name.json" "$@"
+}
+run_offline() {  # run_offline NAME TIMEOUT [flags]: bench_offline on the model, dummy bf16 weights, flashinfer
+  local name=$1 limit=$2; shift 2
+  stage "$name" "$limit" python3 scripts/bench_offline.py --model $MODEL --load-format dummy --dtype bfloat16 \
+    --attention-backend flashinfer --json "$RUN/$name.json" "$@"
+}
+# The issue's offline figure: 1000 requests of 1000 in / 1000 out. A bf16 KV token of the 8B model is
+# 32 layers x 8 heads x 128 x 2 (K, V) x 2 bytes = 128 KiB (8192 tokens per GiB): ~105 GiB of pool at
+# --gpu-memory-utilization 0.9 hold ~860k tokens, 430 requests at their full 2000; 384 never preempt.
+# FP8 KV halves the token: 512 fit with room to spare.
+run_offline_1000() {  # run_offline_1000 NAME MAX_NUM_SEQS TIMEOUT [flags]
+  local name=$1 seqs=$2 limit=$3; shift 3
+  run_offline "$name" "$limit" --num-requests 1000 --input-len 1000 --output-len 1000 --max-num-seqs "$seqs" \
+    --chunked-prefill-size 8192 "$@"
+}
 
 for s in $STAGES; do
   case $s in
@@ -62,8 +104,18 @@ for s in $STAGES; do
       latency latency_flashinfer_b1 flashinfer 1
       stage tests_flashinfer 70 python3 -m pytest -q -p no:cacheprovider tests/gpu -k "flashinfer and not 8b" ;;
     latency_b32) wait $WARM; latency latency_flashinfer_b32 flashinfer 32; latency latency_triton_b32 triton 32 ;;
-    offline) wait $WARM; stage offline 150 python3 scripts/bench_offline.py --model $MODEL --load-format dummy \
-      --dtype bfloat16 --num-requests 128 --input-len 512 --output-len 128 --max-num-seqs 128 --json "$RUN/offline.json" ;;
+    offline) wait $WARM; run_offline offline 150 --num-requests 128 --input-len 512 --output-len 128 --max-num-seqs 128 ;;
+    offline_no_overlap) wait $WARM; run_offline offline_no_overlap 150 --num-requests 128 --input-len 512 --output-len 128 \
+      --max-num-seqs 128 --no-overlap ;;
+    latency_fp8)
+      wait $WARM
+      latency latency_flashinfer_b1_bf16w flashinfer 1
+      latency latency_flashinfer_b1_fp8w flashinfer 1 --quantization fp8 ;;
+    kv_pool) wait $WARM; run_kv_pool kv_pool_bf16 90; run_kv_pool kv_pool_fp8kv 240 --kv-cache-dtype fp8_e4m3 ;;
+    offline_1000) wait $WARM; fits offline_1000 200 && run_offline_1000 offline_1000 384 360 ;;
+    offline_1000_fp8) wait $WARM; fits offline_1000_fp8 170 && run_offline_1000 offline_1000_fp8 384 330 --quantization fp8 ;;
+    offline_1000_fp8kv) wait $WARM; fits offline_1000_fp8kv 150 && run_offline_1000 offline_1000_fp8kv 512 330 \
+      --quantization fp8 --kv-cache-dtype fp8_e4m3 ;;
     hf) stage hf_b1 120 python3 scripts/gpu/hf_reference.py --model $MODEL --batch-size 1 --output-len 64 --json "$RUN/hf_b1.json" ;;
     tests_8b) wait $WARM; stage tests_8b 240 python3 -m pytest -q -s -p no:cacheprovider tests/gpu -k "8b" ;;
     idle) stage gpu_idle 90 python3 scripts/gpu/gpu_idle.py --json "$RUN/gpu_idle.json" ;;
@@ -72,5 +124,6 @@ for s in $STAGES; do
   esac
 done
 wait $WARM
+tar czf "$OUT/fi_cache.tar.gz" -C "$FLASHINFER_WORKSPACE_BASE" .  # again: stages may have compiled more (FP8 KV)
 tar czf "$OUT/logs.tar.gz" -C "$RUN" .
 python3 scripts/gpu/summarize.py "$RUN" "$OUT/results.json"

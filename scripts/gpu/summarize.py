@@ -1,6 +1,11 @@
 #!/usr/bin/env python3
 """Merge the run's JSON results into one file and print the table (the last thing run_h200.sh prints).
 
+Besides the latency table and one line per offline, kv_pool and hf result, it prints the ratios the
+stages were run for (each only when both of its results are there): FP8 against bf16 weights, FP8
+against bf16 KV pool, overlapped against sequential steps, and the 1000 x 1000 offline figures
+against the issue's goal and TRT-LLM's FP8 figure on one H200.
+
 usage: summarize.py RUN_DIR OUT_JSON"""
 
 from __future__ import annotations
@@ -8,6 +13,30 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+
+# Output tokens/s of the 1000 x 1000/1000 offline benchmark: the issue's goal, and TRT-LLM's on one
+# H200 with Llama-3.1-8B FP8 (shared/reference/peers.md, row 11).
+OFFLINE_GOALS = {"goal": 12_000.0, "TRT-LLM FP8": 17_744.0}
+
+# (label, numerator run, denominator run, field): printed as numerator / denominator.
+RATIOS = [
+    ("batch-1 decode tok/s, FP8 / bf16 weights (flashinfer, execute)",
+     "latency_flashinfer_b1_fp8w", "latency_flashinfer_b1_bf16w", "decode_tokens_per_s"),
+    ("batch-1 decode tok/s, FP8 / bf16 weights (flashinfer, graph replay)",
+     "latency_flashinfer_b1_fp8w", "latency_flashinfer_b1_bf16w", "graph_tokens_per_s"),
+    ("weights bytes, FP8 / bf16", "latency_flashinfer_b1_fp8w", "latency_flashinfer_b1_bf16w", "weights_gb"),
+    ("KV pool tokens, FP8 / bf16 KV", "kv_pool_fp8kv", "kv_pool_bf16", "kv_pool_tokens"),
+    ("KV pool GiB, FP8 / bf16 KV", "kv_pool_fp8kv", "kv_pool_bf16", "kv_pool_gib"),
+    ("KV bytes per token, FP8 / bf16 KV", "kv_pool_fp8kv", "kv_pool_bf16", "kv_bytes_per_token"),
+    ("offline 128 x 512/128 output tok/s, overlapped / sequential steps",
+     "offline", "offline_no_overlap", "output_tokens_per_s"),
+    ("offline 1000 x 1000/1000 output tok/s, FP8 / bf16 weights",
+     "offline_1000_fp8", "offline_1000", "output_tokens_per_s"),
+    ("offline 1000 x 1000/1000 output tok/s, FP8 weights + FP8 KV / bf16",
+     "offline_1000_fp8kv", "offline_1000", "output_tokens_per_s"),
+    ("offline 1000 x 1000/1000 output tok/s, FP8 weights + FP8 KV / FP8 weights",
+     "offline_1000_fp8kv", "offline_1000_fp8", "output_tokens_per_s"),
+]  # fmt: skip
 
 
 def load(run: Path) -> dict[str, dict]:
@@ -18,7 +47,26 @@ def fmt(value: object, spec: str = ".1f") -> str:
     return "-" if value is None else format(value, spec) if isinstance(value, (int, float)) else str(value)
 
 
-def table(results: dict[str, dict]) -> list[str]:
+def num(value: float | None) -> str:
+    """A figure for the ratio lines: thousands separated, small ones to 4 significant digits."""
+    if value is None:
+        return "-"
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+
+
+def field(result: dict, name: str) -> float | None:
+    """A figure of one result; kv_pool_gib is derived from kv_pool_bytes."""
+    if name == "kv_pool_gib":
+        nbytes = result.get("kv_pool_bytes")
+        return nbytes / 2**30 if nbytes is not None else None
+    return result.get(name)
+
+
+def precision(r: dict) -> str:
+    return f"weights {r.get('quantization') or 'unquantized'}, KV {r.get('kv_cache_detail', 'auto')}"
+
+
+def latency_table(results: dict[str, dict]) -> list[str]:
     roof = results.get("roofline", {})
     bw = roof.get("copy_bandwidth_bytes_per_s")
     lines = [
@@ -37,18 +85,62 @@ def table(results: dict[str, dict]) -> list[str]:
             f"{fmt(r.get('graph_replay_ms'), '.2f')} | {fmt(r.get('graph_tokens_per_s'))} | "
             f"{fmt(r.get('ratio_to_roofline'), '.3f')} | {fmt(r['prefill_ms'])} | {fmt(r['start_to_ready_s'])} |"
         )
+    return lines
+
+
+def offline_line(name: str, r: dict) -> str:
+    line = (
+        f"{name}: {r['attention_backend']}, {r['num_requests']} x {r['input_len']}/{r['output_len']}, "
+        f"output {fmt(r['output_tokens_per_s'], '.0f')} tok/s, total {fmt(r['total_tokens_per_s'], '.0f')} "
+        f"tok/s, mean step {fmt(r['mean_step_ms'], '.2f')} ms, ready {fmt(r['start_to_ready_s'])} s"
+    )
+    if "overlap" in r:  # results written before these fields existed lack them
+        line += (
+            f"; {precision(r)}, overlap {r['overlap']}, max_num_seqs {r['max_num_seqs']} (most running "
+            f"{r['max_running']}), {r['preemptions']} preemptions, KV pool {r['kv_pool_tokens']} tokens, "
+            f"{r['finished']} finished in {fmt(r['elapsed_s'])} s, {r['steps']} steps"
+        )
+    return line
+
+
+def other_lines(results: dict[str, dict]) -> list[str]:
+    lines = []
     for name, r in results.items():
         if name.startswith("offline"):
+            lines.append(offline_line(name, r))
+        elif name.startswith("kv_pool"):
             lines.append(
-                f"{name}: {r['attention_backend']}, {r['num_requests']} x {r['input_len']}/{r['output_len']}, "
-                f"output {fmt(r['output_tokens_per_s'], '.0f')} tok/s, total {fmt(r['total_tokens_per_s'], '.0f')} "
-                f"tok/s, mean step {fmt(r['mean_step_ms'], '.2f')} ms, ready {fmt(r['start_to_ready_s'])} s"
+                f"{name}: {r['attention_backend']}, {precision(r)}: KV pool {r['kv_pool_tokens']} tokens, "
+                f"{fmt(field(r, 'kv_pool_gib'), '.2f')} GiB, {r['kv_bytes_per_token']} bytes/token, weights "
+                f"{fmt(r['weights_gb'], '.2f')} GB, CUDA graphs {r['cuda_graphs']}"
             )
-        if name.startswith("hf_"):
+        elif name.startswith("hf_"):
             lines.append(
                 f"{name}: transformers generate batch {r['batch_size']}: {fmt(r['tokens_per_s'])} tok/s"
             )
     return lines
+
+
+def ratio_lines(results: dict[str, dict]) -> list[str]:
+    lines = []
+    for label, top, bottom, name in RATIOS:
+        if top not in results or bottom not in results:
+            continue
+        a, b = field(results[top], name), field(results[bottom], name)
+        value = a / b if a is not None and b else None
+        lines.append(f"{label}: {num(a)} / {num(b)} = {fmt(value, '.3f')}")
+    for name, r in results.items():
+        if name.startswith("offline_1000"):
+            rate = r["output_tokens_per_s"]
+            against = ", ".join(f"{fmt(rate / goal, '.2f')} of the {label} ({goal:,.0f})"
+                                for label, goal in OFFLINE_GOALS.items())  # fmt: skip
+            lines.append(f"{name}: {rate:,.0f} output tok/s = {against}")
+    return lines
+
+
+def table(results: dict[str, dict]) -> list[str]:
+    ratios = ratio_lines(results)
+    return latency_table(results) + other_lines(results) + (["ratios:", *ratios] if ratios else [])
 
 
 def main() -> None:

@@ -1,0 +1,66 @@
+"""Tensor parallelism through the whole appliance on CPU (gloo): greedy output equals transformers' (and so
+the one-worker run's), on one node and on two "nodes" that rendezvous over loopback."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.integration.test_golden_parity import NEW_TOKENS, hf_greedy, prompts_for, served_greedy
+from tests.support.appliance import Appliance, free_port
+
+FLAGS = ("--block-size", "4", "--chunked-prefill-size", "24", "--max-total-tokens", "2048")
+
+
+@pytest.mark.parametrize(("arch", "tp"), [("llama", 2), ("qwen3", 2), ("qwen2", 4)])
+def test_tp_greedy_matches_transformers(arch: str, tp: int, tiny_model_dirs, log_dir) -> None:
+    model_dir = tiny_model_dirs[arch]
+    prompts = prompts_for(400)
+    expected = hf_greedy(model_dir, prompts, NEW_TOKENS)
+    with Appliance(model_dir, "--tp", str(tp), *FLAGS, log_dir=log_dir) as app:
+        got = served_greedy(app, prompts, NEW_TOKENS)
+        logs = app.logs()
+    assert got == expected
+    assert f"tensor parallel rank {tp - 1} of {tp} joined" in logs
+
+
+def test_smollm2_tp3_matches_transformers(smollm2_dir, log_dir) -> None:
+    """SmolLM2-135M has 9 query and 3 KV heads: TP 3 is the size that divides them (2 is refused)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    prompts = [tok(t)["input_ids"] for t in ("The capital of France is", "def fibonacci(n):")]
+    expected = hf_greedy(smollm2_dir, prompts, 16)
+    with Appliance(smollm2_dir, "--tp", "3", "--dtype", "float32", "--max-total-tokens", "2048", "--max-model-len", "512",
+                   log_dir=log_dir) as app:
+        got = served_greedy(app, prompts, 16)
+    assert got == expected
+
+
+def test_a_tp_size_that_does_not_divide_the_heads_stops_start_up(smollm2_dir, log_dir) -> None:
+    app = Appliance(smollm2_dir, "--tp", "2", "--max-total-tokens", "2048", "--max-model-len", "512", log_dir=log_dir)
+    with pytest.raises(RuntimeError, match="exited with 1"):
+        app.wait_ready()
+    assert "--tensor-parallel-size 2 must divide the 9 attention heads" in app.logs()
+    app.stop()
+
+
+def test_two_nodes_on_loopback(tiny_model_dirs, log_dir) -> None:
+    """Node 0 serves the API and TP rank 0; node 1 runs rank 1 and a health endpoint only. Stopping node 0
+    brings node 1 down (its group is gone)."""
+    model_dir = tiny_model_dirs["llama"]
+    multi = ("--tp", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{free_port()}", *FLAGS)
+    prompts = prompts_for(400)[:2]
+    expected = hf_greedy(model_dir, prompts, NEW_TOKENS)
+    node1 = Appliance(model_dir, *multi, "--node-rank", "1", log_dir=log_dir)
+    try:
+        with Appliance(model_dir, *multi, "--node-rank", "0", log_dir=log_dir) as node0:
+            node1.wait_ready()
+            health = httpx.get(f"{node1.base_url}/readiness", timeout=5).json()
+            assert health["status"] == "ready" and health["node_rank"] == 1
+            assert httpx.get(f"{node1.base_url}/v1/models", timeout=5).status_code == 404
+            assert served_greedy(node0, prompts, NEW_TOKENS) == expected
+        assert node1.proc.wait(60) != 0
+        assert "worker1" in node1.logs() and not node1.leftover_processes()
+    finally:
+        node1.kill()

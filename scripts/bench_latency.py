@@ -107,8 +107,34 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="largest decode batch captured (default 256)",
     )
+    parser.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="TP ranks (rank 0 here, the rest spawned; next GPUs)"
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", default=None, help="write the results here")
+
+
+def make_runner(settings: Any, device: torch.device, tensor_parallel_size: int = 1) -> Any:
+    """A warmed-up ModelRunner, or with TP > 1 rank 0's (the other ranks in spawned processes, on the next
+    GPUs; app/worker/tp_group.py). Its weights_bytes are one rank's share."""
+    if tensor_parallel_size > 1:
+        from app.worker.tp_group import start_tp_group
+
+        return start_tp_group(settings, device, tensor_parallel_size)
+    from app.worker.model_runner import ModelRunner
+
+    runner = ModelRunner(settings, device)
+    runner.warmup()
+    return runner
+
+
+def tp_size(runner: Any) -> int:
+    return runner.tp.size
+
+
+def close_runner(runner: Any) -> None:
+    if hasattr(runner, "close"):  # a TP group's leader: stop the other ranks
+        runner.close()
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -166,8 +192,6 @@ def copy_bandwidth(device: torch.device, iters: int = 10) -> float:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from app.worker.model_runner import ModelRunner
-
     started = time.perf_counter()
     device = torch.device(args.device)
     need = args.input_len + args.output_len
@@ -177,9 +201,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         max_model_len=args.max_model_len or need,
         chunked_prefill_size=max(args.chunked_prefill_size, args.input_len),
     )
-    runner = ModelRunner(settings, device)
+    runner = make_runner(settings, device, args.tensor_parallel_size)
     device = runner.device  # with its index
-    runner.warmup()
     ready_s = time.perf_counter() - started
     blocks = math.ceil(need / runner.block_size)
     if blocks * args.batch_size > runner.pool.num_blocks:
@@ -210,12 +233,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         step_ms.append((time.perf_counter() - t0) * 1e3)
     measured = step_ms[args.warmup_steps :] or step_ms
     stats = summary(measured)
-    replay_ms = time_graph_replay(runner, args.batch_size) if device.type == "cuda" else None
+    # A TP graph's all-reduces wait for every rank: replaying rank 0's alone would hang.
+    replay_ms = time_graph_replay(runner, args.batch_size) if device.type == "cuda" and tp_size(runner) == 1 else None
+    close_runner(runner)
     result: dict[str, Any] = {
         "model": args.model,
         "attention_backend": runner.attention_backend_name,
         "cuda_graphs": runner.graphs is not None,
         "batch_size": args.batch_size,
+        "tensor_parallel_size": tp_size(runner),
         "input_len": args.input_len,
         "output_len": args.output_len,
         "weights_gb": runner.weights_bytes / 1e9,

@@ -36,7 +36,15 @@ from app import protocol as p  # noqa: E402
 from app.scheduler.process import MAX_INFLIGHT_STEPS  # noqa: E402
 from app.scheduler.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from app.worker.process import StepPipeline  # noqa: E402
-from scripts.bench_latency import add_common_flags, runner_figures, runner_settings, sync  # noqa: E402
+from scripts.bench_latency import (  # noqa: E402
+    add_common_flags,
+    close_runner,
+    make_runner,
+    runner_figures,
+    runner_settings,
+    sync,
+    tp_size,
+)
 
 
 @dataclass
@@ -142,8 +150,6 @@ DRIVERS: dict[bool, Callable[[Scheduler, Any, Outcome], None]] = {
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from app.worker.model_runner import ModelRunner
-
     device = torch.device(args.device)
     started = time.perf_counter()
     settings = runner_settings(
@@ -153,9 +159,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         chunked_prefill_size=args.chunked_prefill_size,
         max_queued_requests=max(args.num_requests, 1),  # all are queued at once: none may be refused
     )
-    runner = ModelRunner(settings, device)
+    runner = make_runner(settings, device, args.tensor_parallel_size)
     device = runner.device  # with its index
-    runner.warmup()
     ready = runner.ready_message()
     ready_s = time.perf_counter() - started
     scheduler = Scheduler(SchedulerConfig.from_settings(settings, ready))
@@ -169,6 +174,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         DRIVERS[overlap](scheduler, runner, outcome)
     sync(device)
     elapsed = time.perf_counter() - t0
+    close_runner(runner)
     return {
         "model": args.model,
         "attention_backend": runner.attention_backend_name,
@@ -179,6 +185,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "input_len": args.input_len,
         "output_len": args.output_len,
         "max_num_seqs": args.max_num_seqs,
+        "tensor_parallel_size": tp_size(runner),
         "chunked_prefill_size": args.chunked_prefill_size,
         "weights_gb": runner.weights_bytes / 1e9,
         **runner_figures(runner, args),

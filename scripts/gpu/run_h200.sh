@@ -17,6 +17,8 @@
 #   offline_1000_fp8         the same with FP8 weights: ~170 s
 #   offline_1000_fp8kv       the same with FP8 weights and an FP8 KV cache: ~150 s (run kv_pool before it,
 #                            or carry a cache that has the FP8-KV kernels: warm_flashinfer builds bf16 only)
+#   tests_tp latency_tp      two GPUs (nvidia-h200-x2): TP=2 GPU tests; batch-1 decode at TP=1 and TP=2
+#   serving_dp               two GPUs: the appliance at 1 replica, then --data-parallel-size 2: ~300 s
 # A stage that cannot finish before DEADLINE is skipped rather than cut (offline_1000*), so give each
 # 1000-request stage a device call of its own unless the estimates above add up.
 set -uo pipefail
@@ -28,7 +30,7 @@ export PYTHONUNBUFFERED=1
 MODEL=configs/models/llama-3.1-8b
 STAGES=${*:-roofline latency_triton tests latency_flashinfer latency_b32 offline hf tests_8b}
 KNOWN=" roofline latency_triton tests latency_flashinfer latency_b32 offline offline_no_overlap latency_fp8 kv_pool \
-offline_1000 offline_1000_fp8 offline_1000_fp8kv hf tests_8b idle serving "
+offline_1000 offline_1000_fp8 offline_1000_fp8kv hf tests_8b idle serving tests_tp latency_tp serving_dp "
 for s in $STAGES; do  # every name checked before anything runs
   [[ $KNOWN == *" $s "* ]] || { echo "unknown stage $s; known:$KNOWN"; exit 2; }
 done
@@ -119,7 +121,20 @@ for s in $STAGES; do
     hf) stage hf_b1 120 python3 scripts/gpu/hf_reference.py --model $MODEL --batch-size 1 --output-len 64 --json "$RUN/hf_b1.json" ;;
     tests_8b) wait $WARM; stage tests_8b 240 python3 -m pytest -q -s -p no:cacheprovider tests/gpu -k "8b" ;;
     idle) stage gpu_idle 90 python3 scripts/gpu/gpu_idle.py --json "$RUN/gpu_idle.json" ;;
-    serving) stage serving 200 bash scripts/gpu/serve_and_bench.sh "$RUN" ;;
+    serving) stage serving 200 bash scripts/gpu/serve_and_bench.sh "$RUN" serving ;;
+    # Two GPUs (nvidia-h200-x2): TP=2 parity tests, batch-1 decode TP=1 vs TP=2, and the appliance's
+    # throughput with one replica vs two (--data-parallel-size 2) at twice the concurrency.
+    tests_tp) wait $WARM; stage tests_tp 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py ;;
+    latency_tp)
+      wait $WARM
+      latency latency_tp1_b1 flashinfer 1
+      latency latency_tp2_b1 flashinfer 1 --tensor-parallel-size 2 ;;
+    serving_dp)
+      wait $WARM
+      NUM_PROMPTS=512 INPUT_LEN=512 OUTPUT_LEN=256 CONCURRENCY=128 MAX_NUM_SEQS=128 BACKEND=flashinfer \
+        stage serving_dp1 170 bash scripts/gpu/serve_and_bench.sh "$RUN" serving_dp1
+      NUM_PROMPTS=1024 INPUT_LEN=512 OUTPUT_LEN=256 CONCURRENCY=256 MAX_NUM_SEQS=128 BACKEND=flashinfer \
+        SERVE_FLAGS="--data-parallel-size 2" stage serving_dp2 170 bash scripts/gpu/serve_and_bench.sh "$RUN" serving_dp2 ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
 done

@@ -1,26 +1,31 @@
 #!/usr/bin/env bash
 # The whole appliance on the GPU: Llama-3.1-8B shape, dummy bf16 weights, a word-level tokenizer that
 # covers the vocabulary (scripts/gpu/wordlevel_tokenizer.py: every token streams as visible text),
-# then bench_serving at 4 concurrent streams of 1024-token prompts. Writes $1/serving.json,
-# $1/ready.json and $1/serve.log; prints start-to-ready.
+# then bench_serving. Defaults: 4 concurrent streams of 1024-token prompts (the TTFT/TPOT case).
+#   serve_and_bench.sh RUN_DIR [NAME]      writes RUN_DIR/NAME.json, NAME-ready.json, NAME-serve.log
+# Environment: BACKEND (triton), SERVE_FLAGS (extra `serve` flags, e.g. --data-parallel-size 2),
+# NUM_PROMPTS (16), INPUT_LEN (1024), OUTPUT_LEN (128), CONCURRENCY (4), MAX_NUM_SEQS (64).
 set -uo pipefail
 RUN=${1:?run dir}
+NAME=${2:-serving}
 PORT=8000
 MODEL=/tmp/llama-3.1-8b-wordlevel
-python3 scripts/gpu/wordlevel_tokenizer.py configs/models/llama-3.1-8b $MODEL || exit 1
+[ -d $MODEL ] || python3 scripts/gpu/wordlevel_tokenizer.py configs/models/llama-3.1-8b $MODEL || exit 1
 t0=$(date +%s.%N)
+# shellcheck disable=SC2086  # SERVE_FLAGS is a list of flags
 python3 -m app.cli serve $MODEL --load-format dummy --dtype bfloat16 --device cuda \
-  --attention-backend "${BACKEND:-triton}" --max-model-len 4096 --max-num-seqs 64 \
-  --port $PORT > "$RUN/serve.log" 2>&1 &
+  --attention-backend "${BACKEND:-triton}" --max-model-len 4096 --max-num-seqs "${MAX_NUM_SEQS:-64}" \
+  --port $PORT ${SERVE_FLAGS:-} > "$RUN/$NAME-serve.log" 2>&1 &
 SERVER=$!
 trap 'kill -TERM $SERVER 2>/dev/null; wait $SERVER' EXIT
 for _ in $(seq 1 240); do
   if curl -sf "http://127.0.0.1:$PORT/readiness" > /dev/null; then break; fi
-  kill -0 $SERVER 2>/dev/null || { echo "appliance exited"; tail -50 "$RUN/serve.log"; exit 1; }
+  kill -0 $SERVER 2>/dev/null || { echo "appliance exited"; tail -50 "$RUN/$NAME-serve.log"; exit 1; }
   sleep 0.5
 done
 ready=$(python3 -c "import time; print(round(time.time() - $t0, 1))")
 echo "start-to-ready ${ready} s"
-echo "{\"start_to_ready_s\": $ready}" > "$RUN/ready.json"
-python3 scripts/bench_serving.py --base-url "http://127.0.0.1:$PORT" --num-prompts 16 --input-len 1024 \
-  --output-len 128 --max-concurrency 4 --vocab-size 128000 --min-token-id 10 --json "$RUN/serving.json" | tail -30
+echo "{\"start_to_ready_s\": $ready}" > "$RUN/$NAME-ready.json"
+python3 scripts/bench_serving.py --base-url "http://127.0.0.1:$PORT" --num-prompts "${NUM_PROMPTS:-16}" \
+  --input-len "${INPUT_LEN:-1024}" --output-len "${OUTPUT_LEN:-128}" --max-concurrency "${CONCURRENCY:-4}" \
+  --vocab-size 128000 --min-token-id 10 --json "$RUN/$NAME.json" | tail -30

@@ -36,6 +36,10 @@ RATIOS = [
      "offline_1000_fp8kv", "offline_1000", "output_tokens_per_s"),
     ("offline 1000 x 1000/1000 output tok/s, FP8 weights + FP8 KV / FP8 weights",
      "offline_1000_fp8kv", "offline_1000_fp8", "output_tokens_per_s"),
+    ("batch-1 decode tok/s, TP=2 / TP=1 (flashinfer, execute; goal >= 1.6)",
+     "latency_tp2_b1", "latency_tp1_b1", "decode_tokens_per_s"),
+    ("appliance output tok/s, 2 replicas / 1 (--data-parallel-size; goal 2 within 10%)",
+     "serving_dp2", "serving_dp1", "output_token_throughput"),
 ]  # fmt: skip
 
 
@@ -113,6 +117,13 @@ def other_lines(results: dict[str, dict]) -> list[str]:
                 f"{name}: {r['attention_backend']}, {precision(r)}: KV pool {r['kv_pool_tokens']} tokens, "
                 f"{fmt(field(r, 'kv_pool_gib'), '.2f')} GiB, {r['kv_bytes_per_token']} bytes/token, weights "
                 f"{fmt(r['weights_gb'], '.2f')} GB, CUDA graphs {r['cuda_graphs']}"
+            )
+        elif "ttft_ms" in r and "output_token_throughput" in r:  # bench_serving through the appliance
+            lines.append(
+                f"{name}: {r['completed']}/{r['num_prompts']} ok, {r['input_len']}/{r['output_len']} tokens at "
+                f"concurrency {r['max_concurrency']}: output {fmt(r['output_token_throughput'], '.0f')} tok/s, "
+                f"TTFT p50 {fmt(r['ttft_ms']['p50'])} ms, TPOT p50 {fmt(r['tpot_ms']['p50'], '.2f')} ms, "
+                f"ITL p50 {fmt(r['itl_ms']['p50'], '.2f')} ms"
             )
         elif name.startswith("hf_"):
             lines.append(

@@ -15,7 +15,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from app import protocol as p
 from app.supervisor import free_port
 from app.worker.model_runner import ModelRunner
 from tests.support.model_factory import build_tiny_model
@@ -64,6 +63,7 @@ def _rank_main(rank: int, size: int, init: str, model_dir: str, prompts: list[li
         torch.set_num_threads(1)
         from app.worker.parallel import TensorParallel
         from app.worker.process import follow_steps
+        from app.worker.tp_group import LeaderRunner
 
         tp = TensorParallel.join(rank, size, CPU, init)
         runner = ModelRunner(make_settings(Path(model_dir)), CPU, tp)
@@ -78,30 +78,15 @@ def _rank_main(rank: int, size: int, init: str, model_dir: str, prompts: list[li
             follow_steps(runner, tp)
             queue.put((rank, wrong, None))
             return
-        relayed = _RelayingRunner(runner, tp)
-        sched = ScriptedScheduler(relayed)
+        leader = LeaderRunner(runner, tp, followers=[])  # relays each plan, as the worker loop does
+        sched = ScriptedScheduler(leader)
         for i, prompt in enumerate(prompts):
             sched.add(Request(f"r{i}", prompt, max_new=10, join_step=2 * i))
         outputs = sched.run()
-        tp.relay(p.encode(p.Shutdown()))
+        leader.close()
         queue.put((rank, wrong, outputs))
     except Exception:
         queue.put((rank, ["error"], traceback.format_exc()))
-
-
-class _RelayingRunner:
-    """The leader's side of the worker loop: every plan goes to the other ranks before it runs here."""
-
-    def __init__(self, runner: ModelRunner, tp: Any) -> None:
-        self.runner, self.tp = runner, tp
-        self.block_size, self.max_num_seqs = runner.block_size, runner.max_num_seqs
-
-    def ready_message(self) -> p.WorkerReady:
-        return self.runner.ready_message()
-
-    def execute(self, plan: p.StepPlan) -> p.StepResult:
-        self.tp.relay(p.encode(plan))
-        return self.runner.execute(plan)
 
 
 def run_group(model_dir: Path, size: int, prompts: list[list[int]]) -> dict[int, tuple[list[str], Any]]:

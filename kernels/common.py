@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+FP8_DTYPE = torch.float8_e4m3fn  # the FP8 KV cache's storage type (Triton's float8e4nv)
+
 
 def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
@@ -17,3 +19,11 @@ def dot_precision(dtype: torch.dtype) -> str:
 def check_last_dim_contiguous(name: str, x: torch.Tensor) -> None:
     if x.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous in its last dimension, got strides {tuple(x.stride())}")
+
+
+def check_kv_scales(cache: torch.Tensor, k_scale: float, v_scale: float) -> None:
+    """Scales dequantize an FP8 cache; any other cache reads its values as they are."""
+    if cache.dtype != FP8_DTYPE and (k_scale != 1.0 or v_scale != 1.0):
+        raise ValueError(f"KV scales other than 1.0 need an FP8 cache, not {cache.dtype}")
+    if not (k_scale > 0 and v_scale > 0):
+        raise ValueError(f"KV scales must be positive, got {k_scale} and {v_scale}")

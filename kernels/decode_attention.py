@@ -10,6 +10,11 @@ write lse = -inf and weigh nothing in the merge.
 Layouts: q [B, Hq, D] (head and dim strides may be views); caches [num_blocks, page, Hkv, D]
 contiguous; block_tables [B, W] int32; seq_lens [B] int32, each >= 1 (the context includes the new
 token, whose K/V must already be in the cache).
+
+An FP8 cache (float8_e4m3fn codes, value = code x scale) is read by casting its tiles to q's dtype
+(exact: every e4m3 value is a float16 / bfloat16 value) and folding the per-layer scales in, as the
+torch backend does: k_scale into the softmax scale (q . (K k_scale) = (q . K) k_scale) and v_scale
+into the output (softmax(s) (V v_scale) = (softmax(s) V) v_scale). Accumulation stays float32.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import check_last_dim_contiguous, dot_precision, next_power_of_2
+from .common import check_kv_scales, check_last_dim_contiguous, dot_precision, next_power_of_2
 
 BLOCK_N = 64
 
@@ -35,6 +40,7 @@ def _decode_split_kernel(
     part_out_ptr,
     part_lse_ptr,
     scale,
+    v_scale,
     stride_qb,
     stride_qh,
     stride_bt,
@@ -75,20 +81,20 @@ def _decode_split_kernel(
         slot = page.to(tl.int64) * PAGE + pos % PAGE
         kv_off = slot[:, None] * row + kvh * HEAD_DIM + offs_d[None, :]
         kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.exp(qk - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
 
     has = l_i > 0
     lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    out = acc / tl.where(has, l_i, 1.0)[:, None] * v_scale
     part = (b * (NUM_KV_HEADS * GROUP) + heads).to(tl.int64) * num_splits + split
     tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=q_mask)
     tl.store(part_lse_ptr + part, lse, mask=g_mask)
@@ -144,13 +150,17 @@ def paged_decode_attention(
     scale: float,
     num_splits: int,
     out: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """q [B, Hq, D] attends its sequence's cached context -> out [B, Hq, D] (q's dtype)."""
+    """q [B, Hq, D] attends its sequence's cached context -> out [B, Hq, D] (q's dtype). k_scale /
+    v_scale: the dequantization scales of an FP8 cache (1.0 otherwise)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     check_last_dim_contiguous("q", q)
     check_last_dim_contiguous("block_tables", block_tables)
+    check_kv_scales(k_cache, k_scale, v_scale)
     if out is None:
         out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if batch == 0:
@@ -160,7 +170,7 @@ def paged_decode_attention(
     block_d = max(next_power_of_2(head_dim), 16)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse,
-        scale, q.stride(0), q.stride(1), block_tables.stride(0), num_splits,
+        scale * k_scale, v_scale, q.stride(0), q.stride(1), block_tables.stride(0), num_splits,
         GROUP=group, GROUP_PAD=max(next_power_of_2(group), 16), NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=k_cache.shape[1], BLOCK_N=BLOCK_N,
         PRECISION=dot_precision(q.dtype),
@@ -179,16 +189,20 @@ def paged_decode_attention_reference(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Per sequence: gather the context through the block table, softmax(q k^T * scale) v in float32."""
+    """Per sequence: gather the context through the block table, dequantize (value = stored x scale),
+    softmax(q k^T * scale) v in float64."""
+    check_kv_scales(k_cache, k_scale, v_scale)
     page = k_cache.shape[1]
     group = q.shape[1] // k_cache.shape[2]
     out = torch.empty_like(q)
     for b, length in enumerate(seq_lens.tolist()):
         pos = torch.arange(length, device=q.device)
         slots = block_tables[b, pos // page].long() * page + pos % page
-        keys = k_cache.flatten(0, 1)[slots].float().repeat_interleave(group, dim=1)  # [L, Hq, D]
-        values = v_cache.flatten(0, 1)[slots].float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("hd,lhd->hl", q[b].float(), keys) * scale
+        keys = k_cache.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1) * k_scale  # [L, Hq, D]
+        values = v_cache.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1) * v_scale
+        scores = torch.einsum("hd,lhd->hl", q[b].double(), keys) * scale
         out[b] = torch.einsum("hl,lhd->hd", torch.softmax(scores, dim=-1), values).to(q.dtype)
     return out

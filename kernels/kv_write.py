@@ -3,6 +3,12 @@
 k, v [T, Hkv, D] (rows may be strided views of the fused QKV output; heads and dims contiguous);
 k_cache, v_cache [num_blocks, block_size, Hkv, D] contiguous; slot_mapping [T] int64 slot ids
 (block * block_size + offset). One program per token copies its K row and V row.
+
+An FP8 cache (torch.float8_e4m3fn) stores round_e4m3(clamp(x / scale, -448, 448)) with the layer's
+k_scale / v_scale: the codes torch's `(x.float() / scale).clamp(-448, 448).to(float8_e4m3fn)` gives.
+The kernel rounds to the e4m3 grid itself (round to nearest even) before the cast, so the cast only
+sees representable values: on the GPU the cast would round the same way, but Triton's interpreter
+(the CPU tests) rounds half up and drops the carry into the exponent.
 """
 
 from __future__ import annotations
@@ -11,7 +17,33 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import next_power_of_2
+from .common import FP8_DTYPE, check_kv_scales, next_power_of_2
+
+FP8_MAX = 448.0  # the largest finite e4m3 value; the cast alone does not saturate on the GPU
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """x (float32, |x| <= 448) rounded to the nearest e4m3 value, ties to even, as float32.
+
+    Adding and subtracting C = 1.5 * 2^23 * ulp rounds |x| to a multiple of ulp in float32 arithmetic
+    (round to nearest even); ulp is 2^(e - 3) for |x| in [2^e, 2^(e+1)) and 2^-9 (the subnormal step)
+    below 2^-6. The sign is put back afterwards so that -0 stays -0, as torch keeps it.
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    sign = bits & -2147483648  # 0x80000000
+    magnitude_bits = bits & 0x7FFFFFFF
+    exponent = tl.maximum(magnitude_bits >> 23, 121)  # biased; 121 is 2^-6, the smallest normal e4m3
+    magic = (((exponent + 20) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    magnitude = magnitude_bits.to(tl.float32, bitcast=True)
+    rounded = (magnitude + magic) - magic
+    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quantize_e4m3(x, scale):
+    y = tl.math.div_rn(x.to(tl.float32), scale)  # IEEE division, as torch's x / scale
+    return _round_to_e4m3(tl.minimum(tl.maximum(y, -448.0), 448.0))
 
 
 @triton.jit
@@ -23,8 +55,11 @@ def _write_kv_kernel(
     slot_ptr,
     stride_k,
     stride_v,
+    k_scale,
+    v_scale,
     ROW: tl.constexpr,
     BLOCK: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -32,6 +67,9 @@ def _write_kv_kernel(
     mask = offs < ROW
     k = tl.load(k_ptr + t * stride_k + offs, mask=mask)
     v = tl.load(v_ptr + t * stride_v + offs, mask=mask)
+    if FP8:
+        k = _quantize_e4m3(k, k_scale)
+        v = _quantize_e4m3(v, v_scale)
     tl.store(k_cache_ptr + slot * ROW + offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + slot * ROW + offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -48,9 +86,15 @@ def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """k_cache/v_cache viewed as [slots, Hkv, D]: row slot_mapping[t] = k[t] / v[t]."""
+    """k_cache/v_cache viewed as [slots, Hkv, D]: row slot_mapping[t] = k[t] / v[t] (FP8: quantized
+    with k_scale / v_scale, see the module docstring)."""
     num_tokens = k.shape[0]
+    check_kv_scales(k_cache, k_scale, v_scale)
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"the K and V caches differ in dtype: {k_cache.dtype} and {v_cache.dtype}")
     if num_tokens == 0:
         return
     _check_rows("k", k)
@@ -59,8 +103,18 @@ def write_kv(
         raise ValueError("the KV cache tensors must be contiguous")
     row = k.shape[1] * k.shape[2]
     _write_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), ROW=row, BLOCK=next_power_of_2(row)
-    )
+        k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), float(k_scale), float(v_scale),
+        ROW=row, BLOCK=next_power_of_2(row), FP8=k_cache.dtype == FP8_DTYPE,
+    )  # fmt: skip
+
+
+def _store_reference(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale: float) -> None:
+    rows = cache.view(-1, x.shape[1], x.shape[2])
+    if cache.dtype != FP8_DTYPE:
+        rows.index_copy_(0, slots, x.to(cache.dtype))
+        return
+    codes = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    rows.view(torch.uint8).index_copy_(0, slots, codes.view(torch.uint8))  # index_copy_ has no FP8 kernel
 
 
 def write_kv_reference(
@@ -69,7 +123,9 @@ def write_kv_reference(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    heads, dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    check_kv_scales(k_cache, k_scale, v_scale)
+    _store_reference(k_cache, slot_mapping, k, k_scale)
+    _store_reference(v_cache, slot_mapping, v, v_scale)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from app.config.errors import Problem
+from app.metrics.kv_events import kv_events_config_problem
 
 if TYPE_CHECKING:
     from app.config.settings import Settings
@@ -81,6 +82,10 @@ def parallelism_problems(s: Settings) -> list[Problem]:
                 ("dist_init_addr", "nnodes"),
                 "--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address, the same on every node)",
             ))
+    if dp > 1 and s.kv_events_config is not None:  # each replica publishes on its own port (offset by dp_rank)
+        problem = kv_events_config_problem(s.kv_events_config, dp)
+        if problem is not None:
+            problems.append(Problem(("kv_events_config", "data_parallel_size"), problem))
     if s.dist_init_addr is not None and not _host_port(s.dist_init_addr):
         problems.append(Problem(
             ("dist_init_addr",),

@@ -36,11 +36,12 @@ class HttpConfig:
     max_queued_requests: int = 1024
     heartbeat_timeout: float = 30.0
     worker_heartbeat_timeout: float = 600.0
+    data_parallel_size: int = 1  # replicas, each with its own --max-num-seqs and --max-queued-requests
 
     @property
     def capacity(self) -> int:
-        """Engine requests the appliance holds at once: running plus queued; beyond it, 503."""
-        return self.max_num_seqs + self.max_queued_requests
+        """Engine requests the appliance holds at once: running plus queued, on every replica; beyond it, 503."""
+        return (self.max_num_seqs + self.max_queued_requests) * self.data_parallel_size
 
     @classmethod
     def from_settings(cls, settings: Any) -> HttpConfig:
@@ -90,7 +91,7 @@ def _secret(settings: Any, name: str) -> str | None:
 
 
 _RELIABILITY = {"max_num_seqs": int, "max_queued_requests": int, "heartbeat_timeout": float,
-                "worker_heartbeat_timeout": float}
+                "worker_heartbeat_timeout": float, "data_parallel_size": int}
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(HttpConfig)}
 
 

@@ -74,15 +74,16 @@ async def flush_cache(request: Request) -> Response:
 
 
 async def get_loads(request: Request) -> Response:
-    """TokenSpeed's /v1/loads shape, plus the scheduler's KV figures."""
-    loads = (await _engine_control(request, "get_loads")).data
+    """TokenSpeed's /v1/loads shape, one entry per data-parallel replica, plus each scheduler's KV figures
+    (the tokenizer merges the replicas' replies into data["loads"], see app/tokenizer/control_fanout.py)."""
+    replicas = (await _engine_control(request, "get_loads")).data["loads"]
     return JSON({"loads": [{
-        "dp_rank": 0,
+        "dp_rank": loads["dp_rank"],
         "num_reqs": loads["num_running"],
         "num_waiting_reqs": loads["num_waiting"],
         "num_pages": loads["num_used_blocks"],
         **loads,
-    }]})
+    } for loads in replicas]})
 
 
 async def get_model_info(request: Request) -> Response:

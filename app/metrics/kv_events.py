@@ -14,7 +14,9 @@ each token id int32 LE): a block's hash depends on its tokens and its parent's h
 lineage is cached on the blocks and a prefix is never rehashed. The last `buffer_steps` batches are
 kept for replay: a ROUTER socket on replay_endpoint answers [identity, "", start_seq (8 bytes BE)]
 with one [identity, "", seq, payload] message per kept batch from start_seq on, then an end marker
-[identity, "", -1, ""]. See docs/kv-events.md.
+[identity, "", -1, ""]. With several data-parallel replicas each replica's scheduler publishes on its own
+endpoints (endpoint_for_rank: the TCP port plus the replica index) with attn_dp_rank set to its index.
+See docs/kv-events.md.
 """
 
 from __future__ import annotations
@@ -85,15 +87,42 @@ def parse_kv_events_config(value: dict[str, Any] | None) -> KVEventsConfig | Non
     return config if config.active else None
 
 
-def kv_events_config_problem(value: Any) -> str | None:
-    """Why a --kv-events-config value is invalid, or None (for the settings' support rule)."""
+def kv_events_config_problem(value: Any, data_parallel_size: int = 1) -> str | None:
+    """Why a --kv-events-config value is invalid, or None (for the settings' rules): its keys, and that
+    every data-parallel rank gets valid endpoints of its own."""
     if value is not None and not isinstance(value, dict):
         return "must be a JSON object"
     try:
-        parse_kv_events_config(value)
+        config = parse_kv_events_config(value)
+        if config is not None:
+            for rank in range(data_parallel_size):
+                rank_endpoints(config, rank)
     except ValueError as exc:
         return str(exc)
     return None
+
+
+def endpoint_for_rank(endpoint: str, dp_rank: int) -> str:
+    """The endpoint data-parallel rank dp_rank uses: rank 0 the configured one; rank d > 0 the TCP port
+    plus d (TokenSpeed's offset), or for ipc:// and inproc:// the name with `_dp<d>` appended."""
+    if dp_rank == 0:
+        return endpoint
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return f"{endpoint}_dp{dp_rank}"
+    head, _, port = endpoint.rpartition(":")
+    if not head or not port.isdigit():
+        raise ValueError(f"invalid --kv-events-config: endpoint {endpoint!r} needs an explicit port, which each "
+                         "data-parallel rank offsets by its index")
+    if int(port) + dp_rank > 65535:
+        raise ValueError(f"invalid --kv-events-config: endpoint {endpoint!r} plus data-parallel rank {dp_rank} "
+                         "is past port 65535")
+    return f"{head}:{int(port) + dp_rank}"
+
+
+def rank_endpoints(config: KVEventsConfig, dp_rank: int) -> tuple[str, str | None]:
+    """(publish endpoint, replay endpoint or None) of one data-parallel rank."""
+    replay = config.replay_endpoint
+    return endpoint_for_rank(config.endpoint, dp_rank), (endpoint_for_rank(replay, dp_rank) if replay else None)
 
 
 # ---------------------------------------------------------------- recording
@@ -137,7 +166,8 @@ def decode_seq(raw: bytes) -> int:
 
 
 class KVEventPublisher:
-    """The PUB socket, the replay buffer and the optional replay ROUTER, driven by the scheduler loop."""
+    """The PUB socket, the replay buffer and the optional replay ROUTER, driven by the scheduler loop of
+    data-parallel rank dp_rank (its endpoints per rank_endpoints; attn_dp_rank in every batch)."""
 
     def __init__(self, config: KVEventsConfig, ctx: Any, dp_rank: int = 0) -> None:
         import zmq
@@ -147,20 +177,21 @@ class KVEventPublisher:
         self.topic = config.topic.encode()
         self.seq = 0
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        endpoint, replay_endpoint = rank_endpoints(config, dp_rank)
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.SNDHWM, config.hwm)
         self.pub.setsockopt(zmq.LINGER, 0)
-        if _binds(config.endpoint):
-            self.pub.bind(config.endpoint)
+        if _binds(endpoint):
+            self.pub.bind(endpoint)
         else:
-            self.pub.connect(config.endpoint)
+            self.pub.connect(endpoint)
         self.replay = None
-        if config.replay_endpoint is not None:
+        if replay_endpoint is not None:
             self.replay = ctx.socket(zmq.ROUTER)
             self.replay.setsockopt(zmq.LINGER, 0)
-            self.replay.bind(config.replay_endpoint)
-        log.info("KV cache events: publishing on %s (topic %r)%s", config.endpoint, config.topic,
-                 f", replay on {config.replay_endpoint}" if self.replay is not None else "")
+            self.replay.bind(replay_endpoint)
+        log.info("KV cache events: publishing on %s (topic %r, attn_dp_rank %d)%s", endpoint, config.topic, dp_rank,
+                 f", replay on {replay_endpoint}" if self.replay is not None else "")
 
     def publish(self, events: list[list[Any]]) -> None:
         """Send one batch (one scheduler step's events) and keep it for replay."""

@@ -59,7 +59,7 @@ class SchedulerLoop:
         events_config = parse_kv_events_config(s.kv_events_config)
         if events_config is not None:
             self.kv_events = KVEventRecorder(ready.block_size)
-            self.publisher = KVEventPublisher(events_config, self.ctx)
+            self.publisher = KVEventPublisher(events_config, self.ctx, dp_rank=self.replica)
         self.scheduler = Scheduler(SchedulerConfig.from_settings(s, ready), kv_events=self.kv_events)
         self._observe_with(self.scheduler)
         return ready
@@ -72,7 +72,7 @@ class SchedulerLoop:
         if s.enable_metrics:
             from app.metrics.engine import EngineMetrics
 
-            self.metrics = EngineMetrics(sched, s.served_model_name)
+            self.metrics = EngineMetrics(sched, s.served_model_name, dp_rank=self.replica)
         self.engine_control = EngineControl(
             sched,
             to_worker=lambda msg: ipc.send(self.to_worker, msg),

@@ -1,8 +1,14 @@
 """The tokenizer process's state machine, free of sockets: a message in, the messages to send out.
 
 Inputs (its one inbox): EngineReady from the supervisor; GenerateRequest, AbortRequest and
-ControlRequest from http; TokenDeltas and ControlReply from the scheduler. Outputs are
-(destination, message) pairs, destinations "scheduler" and "http".
+ControlRequest from http; TokenDeltas and ControlReply from the schedulers. Outputs are
+(destination, message, replica) triples, destinations "scheduler" (replica: which data-parallel replica's
+scheduler) and "http".
+
+With several data-parallel replicas (app/tokenizer/router.py) a new request goes to the replica the
+router picks and its follow-ups (abort, stop-string finish) to the same one; abort-all goes to every
+replica; a control operation goes to every replica and their replies reach http as one
+(app/tokenizer/control_fanout.py).
 """
 
 from __future__ import annotations
@@ -26,8 +32,10 @@ from app.protocol import (
     TokenDeltas,
     TokenizedRequest,
 )
+from app.tokenizer.control_fanout import ControlFanOut
 from app.tokenizer.output import RequestOutput
 from app.tokenizer.prompt import PromptError, build_prompt, validate_prompt
+from app.tokenizer.router import Router
 
 if TYPE_CHECKING:
     from app.metrics.frontend import FrontendMetrics
@@ -42,6 +50,7 @@ HTTP = "http"
 class Outgoing:
     dest: str  # SCHEDULER or HTTP
     msg: Any
+    replica: int = 0  # SCHEDULER: the data-parallel replica whose scheduler gets msg
 
 
 class TokenizerCore:
@@ -52,10 +61,12 @@ class TokenizerCore:
         chat_template: str | None = None,
         stream_interval: int = 1,
         metrics: FrontendMetrics | None = None,
+        router: Router | None = None,
     ) -> None:
         """tokenizer None means --skip-tokenizer-init: token-id prompts only, no text out.
         metrics: per-request metrics; without it they start with the engine when EngineReady says
-        metrics are on (the supervisor puts enable_metrics and served_model_name in its info)."""
+        metrics are on (the supervisor puts enable_metrics and served_model_name in its info).
+        router: spreads requests over the data-parallel replicas (default: one replica)."""
         self._tokenizer = tokenizer
         self._chat_template = chat_template
         self._stream_interval = stream_interval
@@ -63,13 +74,15 @@ class TokenizerCore:
         self._sent_at = 0.0
         self._engine: dict[str, Any] | None = None
         self._requests: dict[str, RequestOutput] = {}
+        self._router = router or Router()
+        self._controls = ControlFanOut(self._router.num_replicas)
         self._handlers = {
             EngineReady: self._on_engine_ready,
             GenerateRequest: self._on_generate,
             TokenDeltas: self._on_token_deltas,
-            AbortRequest: lambda m: [Outgoing(SCHEDULER, m)],
-            ControlRequest: lambda m: [Outgoing(SCHEDULER, m)],
-            ControlReply: lambda m: [Outgoing(HTTP, m)],
+            AbortRequest: self._on_abort,
+            ControlRequest: self._on_control,
+            ControlReply: self._on_control_reply,
         }
 
     @property
@@ -79,6 +92,10 @@ class TokenizerCore:
     @property
     def engine_info(self) -> dict[str, Any] | None:
         return self._engine
+
+    @property
+    def router(self) -> Router:
+        return self._router
 
     def handle(self, msg: Any) -> list[Outgoing]:
         handler = self._handlers.get(type(msg))
@@ -122,9 +139,10 @@ class TokenizerCore:
             logger.exception("tokenizer: failed to prepare request %s", req.rid)
             return [_error(req.rid, f"failed to tokenize the request: {exc}", 500)]
         self._requests[req.rid] = state
+        replica = self._router.route(req.rid, prompt)
         if self._metrics is not None:
             self._metrics.admitted(req.rid, req.arrival_time, len(prompt))
-        return [Outgoing(SCHEDULER, TokenizedRequest(req.rid, prompt, req.sampling, req.arrival_time))]
+        return [Outgoing(SCHEDULER, TokenizedRequest(req.rid, prompt, req.sampling, req.arrival_time), replica)]
 
     def _prompt_of(self, req: GenerateRequest) -> list[int]:
         assert self._engine is not None
@@ -143,6 +161,34 @@ class TokenizerCore:
             req.rid, req.sampling, tokenizer=self._tokenizer, stream=req.stream,
             stream_interval=self._stream_interval, prompt_ids=prompt, return_prompt_ids=req.return_prompt_ids,
         )
+
+    # ------------------------------------------------------------ aborts and control
+
+    def _on_abort(self, msg: AbortRequest) -> list[Outgoing]:
+        if msg.abort_all:
+            return self._to_every_replica(msg)
+        return self._to_holder(msg.rid or "", msg)
+
+    def _on_control(self, msg: ControlRequest) -> list[Outgoing]:
+        refused = self._controls.refusal(msg)
+        if refused is not None:
+            return [Outgoing(HTTP, refused)]
+        return [Outgoing(SCHEDULER, copy, replica) for replica, copy in self._controls.split(msg)]
+
+    def _on_control_reply(self, msg: ControlReply) -> list[Outgoing]:
+        combined = self._controls.collect(msg)
+        return [Outgoing(HTTP, combined)] if combined is not None else []
+
+    def _to_every_replica(self, msg: Any) -> list[Outgoing]:
+        return [Outgoing(SCHEDULER, msg, replica) for replica in range(self._router.num_replicas)]
+
+    def _to_holder(self, rid: str, msg: Any) -> list[Outgoing]:
+        """msg to the replica holding rid; nothing if no replica does (it is over already)."""
+        replica = self._router.replica_of(rid)
+        if replica is None:
+            logger.debug("tokenizer: %s for %r dropped: the request is not live", type(msg).__name__, rid)
+            return []
+        return [Outgoing(SCHEDULER, msg, replica)]
 
     # ------------------------------------------------------------ outputs back
 
@@ -166,18 +212,23 @@ class TokenizerCore:
             result = state.on_delta(delta)
         except Exception as exc:  # a bad delta fails its request, not the process
             logger.exception("tokenizer: failed to detokenize request %s", delta.rid)
-            del self._requests[delta.rid]
-            self._finished(delta.rid, None)
             if delta.finish_reason is None:
-                out.append(Outgoing(SCHEDULER, AbortRequest(rid=delta.rid, reason="detokenization failed")))
+                out.extend(self._to_holder(delta.rid, AbortRequest(rid=delta.rid, reason="detokenization failed")))
+            self._drop(delta.rid)
+            self._finished(delta.rid, None)
             return [_error_delta(delta.rid, f"failed to detokenize the output: {exc}", 500)]
         if result.stop_matched:
-            out.append(Outgoing(SCHEDULER, FinishRequest(delta.rid)))
+            out.extend(self._to_holder(delta.rid, FinishRequest(delta.rid)))
         if result.finished:
-            del self._requests[delta.rid]
+            self._drop(delta.rid)
             final = result.text_delta
             self._finished(delta.rid, final.finish_reason if final is not None and final.error is None else None)
         return [result.text_delta] if result.text_delta is not None else []
+
+    def _drop(self, rid: str) -> None:
+        """The request is over here: forget it and its replica (messages for it must be routed before)."""
+        del self._requests[rid]
+        self._router.release(rid)
 
     def _finished(self, rid: str, reason: str | None) -> None:
         if self._metrics is not None:

@@ -1,9 +1,9 @@
 """The tokenizer process: sockets around TokenizerCore.
 
-Started by the supervisor with multiprocessing "spawn". It binds its inbox, connects to the
-scheduler's and http's, loads the tokenizer (unless --skip-tokenizer-init), reports ProcessReady to
-the supervisor, then serves messages until Shutdown or SIGTERM. SIGINT is ignored: the supervisor
-coordinates shutdown.
+Started by the supervisor with multiprocessing "spawn". It binds its inbox, connects to every
+data-parallel replica's scheduler inbox and to http's, loads the tokenizer (unless
+--skip-tokenizer-init), reports ProcessReady to the supervisor, then serves messages until Shutdown or
+SIGTERM. SIGINT is ignored: the supervisor coordinates shutdown.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -19,8 +20,9 @@ from app import ipc, lifecycle
 from app.ipc import Endpoints
 from app.protocol import ProcessReady, ProtocolError, Shutdown
 from app.tokenizer.chat import resolve_chat_template
-from app.tokenizer.core import HTTP, SCHEDULER, TokenizerCore
+from app.tokenizer.core import SCHEDULER, Outgoing, TokenizerCore
 from app.tokenizer.loader import eos_token_ids, load_tokenizer_from_settings, tokenizer_source, vocab_size
+from app.tokenizer.router import Router
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +42,13 @@ def run_tokenizer(settings: Any, endpoints: Endpoints) -> None:
     sockets: list[zmq.Socket] = []
     try:
         inbox = ipc.bind_pull(ctx, endpoints.inbox("tokenizer"))
-        outs = {SCHEDULER: ipc.connect_push(ctx, endpoints.inbox("scheduler")),
-                HTTP: ipc.connect_push(ctx, endpoints.inbox("http"))}
+        replicas = settings.data_parallel_size
+        outs = Outboxes(
+            schedulers=[ipc.connect_push(ctx, endpoints.inbox("scheduler", d)) for d in range(replicas)],
+            http=ipc.connect_push(ctx, endpoints.inbox("http")),
+        )
         supervisor = ipc.connect_push(ctx, endpoints.inbox("supervisor"))
-        sockets = [inbox, *outs.values(), supervisor]
+        sockets = [inbox, *outs.schedulers, outs.http, supervisor]
         core, ready_info = _build_core(settings)
         ipc.send(supervisor, ProcessReady(name="tokenizer", pid=os.getpid(), info=ready_info))
         _serve(core, inbox, outs, lifecycle.Heartbeat.attach(endpoints.runtime_dir, "tokenizer"))
@@ -66,7 +71,11 @@ def _build_core(settings: Any) -> tuple[TokenizerCore, dict[str, Any]]:
                             download_dir=settings.download_dir)
         info = {"vocab_size": vocab_size(tokenizer), "eos_token_ids": eos,
                 "max_token_chars": max_token_chars(tokenizer)}
-    core = TokenizerCore(tokenizer, chat_template=chat_template, stream_interval=settings.stream_interval)
+    router = Router(settings.data_parallel_size, settings.load_balance_method)
+    if router.num_replicas > 1:
+        logger.info("tokenizer: routing over %d data-parallel replicas (%s)", router.num_replicas, router.method)
+    core = TokenizerCore(tokenizer, chat_template=chat_template, stream_interval=settings.stream_interval,
+                         router=router)
     return core, info
 
 
@@ -81,7 +90,16 @@ def max_token_chars(tokenizer: Any) -> int:
     return longest * (4 if composes else 1)
 
 
-def _serve(core: TokenizerCore, inbox: zmq.Socket, outs: dict[str, zmq.Socket],
+@dataclass(frozen=True)
+class Outboxes:
+    schedulers: list[zmq.Socket]  # one per data-parallel replica, by index
+    http: zmq.Socket
+
+    def send(self, out: Outgoing) -> None:
+        ipc.send(self.schedulers[out.replica] if out.dest == SCHEDULER else self.http, out.msg)
+
+
+def _serve(core: TokenizerCore, inbox: zmq.Socket, outs: Outboxes,
            heartbeat: lifecycle.Heartbeat | None = None) -> None:
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
@@ -102,11 +120,11 @@ def _serve(core: TokenizerCore, inbox: zmq.Socket, outs: dict[str, zmq.Socket],
         _dispatch(core, msg, outs)
 
 
-def _dispatch(core: TokenizerCore, msg: Any, outs: dict[str, zmq.Socket]) -> None:
+def _dispatch(core: TokenizerCore, msg: Any, outs: Outboxes) -> None:
     try:
         replies = core.handle(msg)
     except Exception:  # one bad message must not take the process down
         logger.exception("tokenizer: dropping %s after an error", type(msg).__name__)
         return
     for reply in replies:
-        ipc.send(outs[reply.dest], reply.msg)
+        outs.send(reply)

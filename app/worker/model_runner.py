@@ -172,6 +172,12 @@ class ModelRunner:
         self.dtype = resolve_dtype(settings.dtype, self.config, self.device)
         # FP8 weights and KV cache (getattr: the GPU tests' plain settings may leave these out).
         self.quant_scheme = resolve_quantization(getattr(settings, "quantization", None), self.config)
+        if tp.size > 1 and self.quant_scheme is not None and self.quant_scheme.block is not None:
+            raise ValueError(
+                "block-scaled FP8 checkpoints with --tensor-parallel-size > 1 are not supported yet (each rank "
+                "would need its own slice of the 128x128 scale tiles); per-tensor and per-channel FP8 "
+                "checkpoints and --quantization fp8 on a bf16 checkpoint work with tensor parallelism"
+            )
         self.kv_quant = resolve_kv_cache_quant(
             getattr(settings, "kv_cache_dtype", "auto"),
             getattr(settings, "kv_cache_quant_method", "none"),

@@ -400,7 +400,7 @@ def test_unsupported_message_names_flag_and_source() -> None:
 
 
 @pytest.mark.parametrize("argv", [
-    ["--attention-backend", "fa3"], ["--sampling-backend", "flashinfer"],
+    ["--attention-backend", "fa3"], ["--sampling-backend", "flashinfer_full"],
     ["--sampling-backend", "triton_full"], ["--kv-cache-quant-method", "per_token_head"],
     ["--load-format", "npcache"],
     ["--load-format", "extensible"], ["--tokenizer-mode", "deepseek_v4"],

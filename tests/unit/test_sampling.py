@@ -288,8 +288,8 @@ def test_greedy_backend(device: torch.device) -> None:
 
 def test_make_sampler_backends(device: torch.device) -> None:
     assert isinstance(make_sampler(None, 16, [15], device, 4), Sampler)
-    with pytest.raises(ValueError, match="flashinfer"):
-        make_sampler("flashinfer", 16, [15], device, 4)
+    with pytest.raises(ValueError, match="flashinfer_full"):  # flashinfer: test_sampling_flashinfer.py
+        make_sampler("flashinfer_full", 16, [15], device, 4)
     with pytest.raises(ValueError, match="'torch'"):
         make_sampler("torch", 16, [15], device, 4)
 

@@ -3,7 +3,8 @@
 torch: the portable reference (CPU and CUDA). triton: paged-KV Triton kernels (CUDA; the CPU only
 under TRITON_INTERPRET=1, for tests). flashinfer: flashinfer's paged wrappers (CUDA, fp16/bf16, the
 optional flashinfer-python package). Unset picks flashinfer on CUDA when it is importable and the
-dtype suits it, else triton on CUDA, and torch on the CPU. The GPU backends are imported lazily.
+model dtype suits it, else triton on CUDA, and torch on the CPU. The GPU backends are imported lazily.
+All three read an FP8 (e4m3) KV cache with per-layer scales (class attribute supports_fp8_kv).
 """
 
 from __future__ import annotations

@@ -24,6 +24,10 @@ class AttentionSpec:
     num_kv_heads: int
     head_dim: int
     scale: float
+    # The query's (and output's) dtype, the model's. None: the KV cache's, which is right for any cache
+    # but an FP8 one; a backend that plans for the query dtype ahead of forward (flashinfer) needs it set
+    # to read an FP8 cache.
+    q_dtype: torch.dtype | None = None
 
 
 @dataclass
@@ -99,6 +103,9 @@ class AttentionBackend(ABC):
     name: ClassVar[str]
     # Whether decode steps can be captured in CUDA graphs (capture_metadata / prepare_replay below).
     supports_cuda_graphs: ClassVar[bool] = False
+    # Whether it reads an FP8 (float8_e4m3fn) KV cache with the cache's per-layer k/v scales; the
+    # runner's default backend falls back to torch for one that does not (quantization.fp8_kv_backend).
+    supports_fp8_kv: ClassVar[bool] = False
 
     def __init__(self, kv_cache: KVCache, spec: AttentionSpec) -> None:
         if spec.num_heads % spec.num_kv_heads:

@@ -1,4 +1,4 @@
-"""The flashinfer backend (CUDA, fp16/bf16): paged KV in NHD layout, our per-layer
+"""The flashinfer backend (CUDA, fp16/bf16 queries): paged KV in NHD layout, our per-layer
 [num_blocks, block_size, Hkv, D] K and V tensors passed as a (k, v) tuple.
 
 plan() runs once per step and is shared by all layers: a step whose sequences all feed one token
@@ -11,6 +11,14 @@ CUDA graphs: each captured decode size gets its own decode wrapper in CUDA-graph
 indptr / last_page_len buffers and one page-index buffer shared by all sizes (one graph replays at a
 time); prepare_replay() re-plans it before every replay. The workspaces are shared by every wrapper
 for the same reason.
+
+FP8 KV cache (float8_e4m3fn codes, per-layer scales): the wrappers are planned with
+kv_data_type=float8_e4m3fn and the query dtype (AttentionSpec.q_dtype, which must then be set: the
+cache no longer tells it), and run() gets the layer's k_scale / v_scale: flashinfer folds k_scale
+into the softmax scale and multiplies the output by v_scale (a torch op after the kernel, captured
+with it). Decode keeps the CUDA-core kernel, which reads an FP8 cache with 16-bit queries; prefill
+pins flashinfer's FA2 kernels: "auto" picks FA3 on Hopper, whose kernels take no mixed query / KV
+dtypes (flashinfer 0.6.1).
 
 Works with flashinfer-python 0.6.1 and 0.7.x (same wrapper constructors, plan and run keywords).
 """
@@ -27,8 +35,9 @@ from app.worker.kv_cache import KVCache
 
 WORKSPACE_BYTES = 128 << 20
 INT_WORKSPACE_BYTES = 8 << 20
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)  # query (model) dtypes
 SUPPORTED_HEAD_DIMS = (64, 128, 256)  # the head sizes flashinfer's paged kernels are built for
+FP8_KV_DTYPE = torch.float8_e4m3fn
 
 
 def import_flashinfer() -> Any:
@@ -50,6 +59,30 @@ def flashinfer_available() -> bool:
     return True
 
 
+def query_and_kv_dtypes(
+    kv_dtype: torch.dtype, q_dtype: torch.dtype | None
+) -> tuple[torch.dtype, torch.dtype]:
+    """(query dtype, KV dtype) the wrappers are planned for: a 16-bit query over a cache of the same
+    dtype, or over an FP8 cache. ValueError naming what is wrong otherwise."""
+    query = q_dtype if q_dtype is not None else kv_dtype
+    if kv_dtype == FP8_KV_DTYPE and q_dtype is None:
+        raise ValueError(
+            "attention backend 'flashinfer' reads an FP8 KV cache only when the attention spec names the "
+            "query dtype (AttentionSpec.q_dtype)"
+        )
+    if query not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"attention backend 'flashinfer' supports float16 and bfloat16, not {query}; "
+            "use --attention-backend triton"
+        )
+    if kv_dtype not in (query, FP8_KV_DTYPE):
+        raise ValueError(
+            f"attention backend 'flashinfer' reads a {query} or float8_e4m3fn KV cache with {query} "
+            f"queries, not a {kv_dtype} one"
+        )
+    return query, kv_dtype
+
+
 @dataclass
 class FlashInferMetadata(AttentionMetadata):
     wrapper: Any = None
@@ -58,18 +91,14 @@ class FlashInferMetadata(AttentionMetadata):
 class FlashInferAttentionBackend(AttentionBackend):
     name = "flashinfer"
     supports_cuda_graphs = True
+    supports_fp8_kv = True  # reads an FP8 cache with its per-layer scales (see the module docstring)
 
     def __init__(self, kv_cache: KVCache, spec: AttentionSpec) -> None:
         super().__init__(kv_cache, spec)
         self.device = kv_cache.k[0].device
-        self.dtype = kv_cache.spec.dtype
         if self.device.type != "cuda":
             raise ValueError("attention backend 'flashinfer' needs a CUDA device")
-        if self.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(
-                f"attention backend 'flashinfer' supports float16 and bfloat16, not {self.dtype}; "
-                "use --attention-backend triton"
-            )
+        self.dtype, self.kv_dtype = query_and_kv_dtypes(kv_cache.spec.dtype, spec.q_dtype)
         if spec.head_dim not in SUPPORTED_HEAD_DIMS:
             raise ValueError(
                 f"attention backend 'flashinfer' supports head_dim {SUPPORTED_HEAD_DIMS}, not {spec.head_dim}; "
@@ -84,7 +113,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.int_workspace = torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.decode_wrapper = self._share(self.fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD"))
-        self.prefill_wrapper = self._share(self.fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD"))
+        prefill_kernels = "fa2" if self.kv_dtype == FP8_KV_DTYPE else "auto"  # see the module docstring
+        self.prefill_wrapper = self._share(
+            self.fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=prefill_kernels)
+        )
         self._graph_indices: torch.Tensor | None = None
 
     def _share(self, wrapper: Any) -> Any:
@@ -109,7 +141,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         s = self.spec
         wrapper.plan(
             indptr, indices, last, s.num_heads, s.num_kv_heads, s.head_dim, batch.block_size,
-            q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=s.scale,
+            q_data_type=self.dtype, kv_data_type=self.kv_dtype, sm_scale=s.scale,
         )  # fmt: skip
 
     def plan(self, batch: AttentionBatch) -> FlashInferMetadata:
@@ -122,7 +154,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.prefill_wrapper.plan(
             torch.tensor(starts, dtype=torch.int32), indptr, indices, last,
             s.num_heads, s.num_kv_heads, s.head_dim, batch.block_size,
-            causal=True, sm_scale=s.scale, q_data_type=self.dtype, kv_data_type=self.dtype,
+            causal=True, sm_scale=s.scale, q_data_type=self.dtype, kv_data_type=self.kv_dtype,
         )  # fmt: skip
         return FlashInferMetadata(backend=self, batch=batch, wrapper=self.prefill_wrapper)
 
@@ -158,5 +190,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         assert isinstance(meta, FlashInferMetadata)
         k_cache, v_cache = self.kv_cache.k[layer_idx], self.kv_cache.v[layer_idx]
-        self._write(k, v, k_cache, v_cache, meta.batch.slot_mapping)
-        return meta.wrapper.run(q.contiguous(), (k_cache, v_cache))
+        k_scale, v_scale = self.kv_cache.k_scales[layer_idx], self.kv_cache.v_scales[layer_idx]
+        self._write(k, v, k_cache, v_cache, meta.batch.slot_mapping, k_scale, v_scale)
+        # 1.0 for a 16-bit cache: flashinfer then leaves the softmax scale and the output as they are.
+        return meta.wrapper.run(q.contiguous(), (k_cache, v_cache), k_scale=k_scale, v_scale=v_scale)

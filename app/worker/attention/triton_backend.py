@@ -6,6 +6,11 @@ prefill/extend kernel over every sequence (a decode row is an extend of length o
 rows go into the cache first, through the fused write kernel, so both kernels read the whole
 context from the cache. Decode metadata holds only device tensors of the batch and a split count
 fixed per batch size, so decode steps are CUDA-graph safe.
+
+An FP8 KV cache (float8_e4m3fn, per-layer scales) is written and read by the same kernels: the write
+quantizes with the layer's k_scale / v_scale, the attention kernels cast the tiles to the query's
+dtype and fold the scales in (Python floats, so a captured graph keeps them as constants). Triton's
+e4m3 type needs compute capability 8.9 or newer (Ada, Hopper).
 """
 
 from __future__ import annotations
@@ -20,8 +25,10 @@ from app.worker.kv_cache import KVCache
 
 # SM count assumed off-GPU (the interpreter): it only shapes the split count.
 _INTERPRETER_SMS = 4
-# KV cache dtypes the kernels read (the query and output share it).
+# Model dtypes the kernels run (the query and output have it; so has the KV cache unless it is FP8).
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_MIN_CAPABILITY = (8, 9)
 
 
 def triton_usable(device: torch.device) -> bool:
@@ -39,14 +46,24 @@ class TritonAttentionMetadata(AttentionMetadata):
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
+    supports_fp8_kv = True  # reads an FP8 cache with its per-layer scales
 
     def __init__(self, kv_cache: KVCache, spec: AttentionSpec) -> None:
         super().__init__(kv_cache, spec)
         device = kv_cache.k[0].device
         if not triton_usable(device):
             raise ValueError("the triton attention backend needs a CUDA device (or TRITON_INTERPRET=1)")
-        if kv_cache.spec.dtype not in TRITON_DTYPES:
+        if kv_cache.spec.dtype not in (*TRITON_DTYPES, FP8_KV_DTYPE):
             raise ValueError(f"the triton attention backend does not read a {kv_cache.spec.dtype} KV cache")
+        if (
+            kv_cache.spec.dtype == FP8_KV_DTYPE
+            and device.type == "cuda"
+            and torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY
+        ):
+            raise ValueError(
+                "the triton attention backend reads an FP8 KV cache on compute capability 8.9 or newer "
+                f"(Ada, Hopper), not {torch.cuda.get_device_capability(device)}; use --attention-backend torch"
+            )
         # Imported here: the interpreter switch is read when the kernels are defined.
         from tokenspeed_kernels import decode_attention, kv_write, prefill_attention
 
@@ -92,7 +109,8 @@ class TritonAttentionBackend(AttentionBackend):
         assert isinstance(meta, TritonAttentionMetadata)
         batch = meta.batch
         k_cache, v_cache = self.kv_cache.k[layer_idx], self.kv_cache.v[layer_idx]
-        self._write(k, v, k_cache, v_cache, batch.slot_mapping)
+        scales = {"k_scale": self.kv_cache.k_scales[layer_idx], "v_scale": self.kv_cache.v_scales[layer_idx]}
+        self._write(k, v, k_cache, v_cache, batch.slot_mapping, **scales)
         if meta.decode:
             return self._decode.paged_decode_attention(
                 q,
@@ -102,6 +120,7 @@ class TritonAttentionBackend(AttentionBackend):
                 batch.seq_lens_tensor,
                 self.spec.scale,
                 meta.num_splits,
+                **scales,
             )
         assert meta.cu_seqlens_q is not None
         return self._prefill.paged_prefill_attention(
@@ -113,4 +132,5 @@ class TritonAttentionBackend(AttentionBackend):
             batch.seq_lens_tensor,
             meta.max_query_len,
             self.spec.scale,
+            **scales,
         )

@@ -222,7 +222,7 @@ class DenseCausalLM(nn.Module):
     @property
     def attention_spec(self) -> AttentionSpec:
         d = self.local_dims
-        return AttentionSpec(d.num_heads, d.num_kv_heads, d.head_dim, d.head_dim**-0.5)
+        return AttentionSpec(d.num_heads, d.num_kv_heads, d.head_dim, d.head_dim**-0.5, q_dtype=self.dtype)
 
     def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
         d = self.local_dims

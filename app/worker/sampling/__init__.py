@@ -1,10 +1,12 @@
 """Sampling in the worker: logits [B, V] -> one token per row.
 
 Public: Sampler (the portable torch sampler; torch_sampler.py lists the steps), GreedySampler
-(`--sampling-backend greedy`), SamplerOutput, SamplerBackend (the interface both implement) and
-make_sampler. Logprobs are log_softmax of the logits after bias and penalties, before temperature
-and truncation (logprobs.py). validation.check_for_backend answers what a sampler's validate()
-would, without torch: attributes here load lazily so that importing validation stays torch-free.
+(`--sampling-backend greedy`), FlashInferSampler (`--sampling-backend flashinfer`: the portable
+sampler drawing with flashinfer's kernels, flashinfer_sampler.py), SamplerOutput, SamplerBackend
+(the interface they implement) and make_sampler. Logprobs are log_softmax of the logits after bias
+and penalties, before temperature and truncation (logprobs.py). validation.check_for_backend answers
+what a sampler's validate() would, without torch: attributes here load lazily so that importing
+validation stays torch-free.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from app.worker.sampling.factory import make_sampler
+    from app.worker.sampling.flashinfer_sampler import FlashInferSampler
     from app.worker.sampling.greedy import GreedySampler
     from app.worker.sampling.output import SamplerBackend, SamplerOutput
     from app.worker.sampling.torch_sampler import Sampler
@@ -21,11 +24,12 @@ if TYPE_CHECKING:
 _EXPORTS = {
     "Sampler": "torch_sampler",
     "GreedySampler": "greedy",
+    "FlashInferSampler": "flashinfer_sampler",
     "SamplerOutput": "output",
     "SamplerBackend": "output",
     "make_sampler": "factory",
 }
-__all__ = ["GreedySampler", "Sampler", "SamplerBackend", "SamplerOutput", "make_sampler"]
+__all__ = ["FlashInferSampler", "GreedySampler", "Sampler", "SamplerBackend", "SamplerOutput", "make_sampler"]
 
 
 def __getattr__(name: str) -> Any:

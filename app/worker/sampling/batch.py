@@ -3,10 +3,15 @@
 Rows are grouped with numpy over the slot tables (greedy / sampled, penalised, biased, blocked by
 min_new_tokens, asking for logprobs), and every index and parameter array the device needs is
 packed into one int64 and one float32 buffer: two host-to-device copies per step, whatever the mix.
+
+A sampler backend with kernels of its own (flashinfer) passes a KernelRoute: the unseeded sampled
+rows it takes come first among the sample rows, ordered by its groups, so that each group's rows and
+parameters are contiguous slices of the uploaded arrays; the portable draw takes the rest.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,21 +23,36 @@ from app.worker.sampling.slots import SlotTable
 from app.worker.transfer import to_device
 
 
+@dataclass(frozen=True)
+class KernelRoute:
+    """The unseeded sampled rows a sampler backend draws with its own kernels: group(table, slots)
+    gives each of those slots a group in [0, num_groups), or -1 to leave it to the portable draw."""
+
+    num_groups: int
+    group: Callable[[SlotTable, np.ndarray], np.ndarray]
+
+
 @dataclass(slots=True)
 class BatchPlan:
     """Row groups of a [B, V] batch (host arrays of row indices) and their device twins in `dev`."""
 
     slots: np.ndarray
     greedy_rows: np.ndarray
-    sample_rows: np.ndarray  # unseeded rows first, then seeded ones
+    sample_rows: np.ndarray  # the kernel groups' rows, then the other unseeded rows, then seeded ones
     num_unseeded: int
     penalised_rows: np.ndarray
     logprob_rows: np.ndarray
-    truncates: bool  # some sampled row uses top_k or top_p
+    # The flags below describe the rows of the portable draw (sample_rows[num_kernel_rows:]).
+    truncates: bool  # some row uses top_k or top_p
     sort_width: int | None  # partial sort width for apply_top_k_top_p (None: full sort)
-    verify_nucleus: bool  # some sampled row uses top_p without top_k
+    verify_nucleus: bool  # some row uses top_p without top_k
     need_min_p: bool
+    kernel_groups: tuple[int, ...] = ()  # rows per KernelRoute group, the first sample rows in group order
     dev: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def num_kernel_rows(self) -> int:
+        return sum(self.kernel_groups)
 
     def covers_all(self, rows: np.ndarray) -> bool:
         """Whether `rows` is the whole batch in order (then no gather is needed)."""
@@ -73,14 +93,30 @@ def _truncation(top_k: np.ndarray, top_p: np.ndarray, vocab_size: int) -> dict[s
     }
 
 
-def plan_batch(table: SlotTable, slots: list[int]) -> BatchPlan:
-    """Group the rows of a batch whose row i belongs to slots[i], and upload what the device needs."""
+def _route_rows(
+    table: SlotTable, slots: np.ndarray, rows: np.ndarray, route: KernelRoute | None
+) -> tuple[np.ndarray, tuple[int, ...]]:
+    """rows reordered: route's groups first (group by group, each in row order), then the rest; and
+    the number of rows of each group."""
+    if route is None or not len(rows):
+        return rows, ()
+    groups = np.asarray(route.group(table, slots[rows]), dtype=np.int64)
+    if groups.shape != rows.shape or ((groups < -1) | (groups >= route.num_groups)).any():
+        raise ValueError(f"a kernel route must give each row a group in [-1, {route.num_groups})")
+    order = np.argsort(np.where(groups < 0, route.num_groups, groups), kind="stable")
+    counts = np.bincount(groups[groups >= 0], minlength=route.num_groups)
+    return rows[order], tuple(int(n) for n in counts)
+
+
+def plan_batch(table: SlotTable, slots: list[int], route: KernelRoute | None = None) -> BatchPlan:
+    """Group the rows of a batch whose row i belongs to slots[i], and upload what the device needs.
+    route: the unseeded sampled rows a backend's kernels take (see KernelRoute)."""
     s = np.asarray(slots, dtype=np.int64)
     table.check_active(s)
     greedy, seeded = table.greedy[s], table.seeded[s]
-    unseeded_rows = np.flatnonzero(~greedy & ~seeded)
+    unseeded_rows, kernel_groups = _route_rows(table, s, np.flatnonzero(~greedy & ~seeded), route)
     sample_rows = np.concatenate([unseeded_rows, np.flatnonzero(~greedy & seeded)])
-    sampled = s[sample_rows]
+    portable = s[sample_rows[sum(kernel_groups) :]]
     plan = BatchPlan(
         slots=s,
         greedy_rows=np.flatnonzero(greedy),
@@ -88,8 +124,9 @@ def plan_batch(table: SlotTable, slots: list[int]) -> BatchPlan:
         num_unseeded=len(unseeded_rows),
         penalised_rows=np.flatnonzero(table.penalised[s]),
         logprob_rows=np.flatnonzero(table.logprobs[s]),
-        need_min_p=bool((table.min_p[sampled] > 0).any()),
-        **_truncation(table.top_k[sampled], table.top_p[sampled], table.vocab_size),
+        need_min_p=bool((table.min_p[portable] > 0).any()),
+        kernel_groups=kernel_groups,
+        **_truncation(table.top_k[portable], table.top_p[portable], table.vocab_size),
     )
     plan.dev = _upload(_device_arrays(table, plan), table.device)
     return plan

@@ -11,7 +11,8 @@ A step, on float32 [B, V] logits whose row i belongs to slots[i]:
      (randomness.py: a per-position seed for seeded requests, one shared generator otherwise).
 Every stage runs only over the rows that need it; top-k / top-p run only when a sampled row uses
 one of them, over a partial sort (topk) where that is exact. The sampled tokens are recorded in the
-slots' history before returning.
+slots' history before returning. A subclass may draw some unseeded rows with kernels of its own
+(class attribute `route`, see batch.KernelRoute; FlashInferSampler): everything else stays here.
 Nothing here waits for the device (the worker launches the next step before it reads this one's
 tokens): row groups and parameters are planned on the host and uploaded without a sync, bad rows
 and logprobs come back as device tensors (SamplerOutput). One exception: a sampled row with top_p
@@ -26,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from app.protocol import SamplingParams
-from app.worker.sampling.batch import BatchPlan, plan_batch
+from app.worker.sampling.batch import BatchPlan, KernelRoute, plan_batch
 from app.worker.sampling.logprobs import gather_logprobs
 from app.worker.sampling.output import SamplerOutput, check_logits
 from app.worker.sampling.processors import (
@@ -47,6 +48,8 @@ class Sampler:
 
     seed: the process-wide seed for requests without one (None: torch.initial_seed()).
     """
+
+    route: KernelRoute | None = None  # the rows a subclass draws with its own kernels (none here)
 
     def __init__(
         self,
@@ -97,7 +100,7 @@ class Sampler:
         if not slots:
             empty = torch.zeros(0, dtype=torch.int64, device=self.device)
             return SamplerOutput(empty, empty.bool())
-        plan = plan_batch(self._table, slots)
+        plan = plan_batch(self._table, slots, self.route)
         processed, bad = self._process(logits, plan)
         tokens = self._choose(processed, plan)
         penalised = plan.dev["penalised_rows"]
@@ -143,15 +146,20 @@ class Sampler:
         return tokens.index_copy_(0, dev["sample_rows"], self._draw(x, plan))
 
     def _draw(self, x: torch.Tensor, plan: BatchPlan) -> torch.Tensor:
-        """Tokens for plan.sample_rows, in that order."""
-        dev = plan.dev
-        rows = x if plan.covers_all(plan.sample_rows) else x.index_select(0, dev["sample_rows"])
-        rows = rows / dev["temperature"].unsqueeze(1)  # a new tensor: x stays for logprobs
+        """Tokens for plan.sample_rows[plan.num_kernel_rows:] (all of them here), in that order."""
+        dev, k = plan.dev, plan.num_kernel_rows
+        if k == 0 and plan.covers_all(plan.sample_rows):
+            rows = x
+        else:
+            rows = x.index_select(0, dev["sample_rows"][k:])
+        rows = rows / dev["temperature"][k:].unsqueeze(1)  # a new tensor: x stays for logprobs
         if plan.truncates:
-            rows = apply_top_k_top_p(rows, dev["top_k"], dev["top_p"], plan.sort_width, plan.verify_nucleus)
+            rows = apply_top_k_top_p(
+                rows, dev["top_k"][k:], dev["top_p"][k:], plan.sort_width, plan.verify_nucleus
+            )
         if plan.need_min_p:
-            rows = apply_min_p(rows, dev["min_p"])
+            rows = apply_min_p(rows, dev["min_p"][k:])
         seeded_slots = plan.slots[plan.sample_rows[plan.num_unseeded :]]
         seeds = self._table.position_seeds(seeded_slots)
-        noise = gumbel_noise(self.vocab_size, plan.num_unseeded, self._shared, self._seeded, seeds)
+        noise = gumbel_noise(self.vocab_size, plan.num_unseeded - k, self._shared, self._seeded, seeds)
         return (rows + noise).argmax(dim=-1)

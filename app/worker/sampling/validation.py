@@ -102,13 +102,15 @@ def check_greedy_params(params: SamplingParams, vocab_size: int) -> str | None:
     return None
 
 
-BACKENDS = (None, "greedy")  # --sampling-backend values this build implements (None: portable torch)
+# --sampling-backend values this build implements (None: portable torch). flashinfer keeps every
+# semantic of the portable sampler, so it validates like it.
+BACKENDS = (None, "greedy", "flashinfer")
 
 
 def unknown_backend(backend: object) -> str:
     return (
         f"unknown sampling backend {backend!r}: this build implements the portable torch sampler "
-        "(no backend given) and 'greedy'"
+        "(no backend given), 'greedy' and 'flashinfer'"
     )
 
 

@@ -45,6 +45,8 @@ class TensorParallel:
         if size == 1:
             return SINGLE
         backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda" and device.index is None:  # NCCL binds to one device, named by index
+            device = torch.device("cuda", torch.cuda.current_device())
         kwargs = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(backend, init_method=init_method, world_size=size, rank=rank,
                                 timeout=GROUP_TIMEOUT, **kwargs)

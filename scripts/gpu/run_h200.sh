@@ -17,6 +17,7 @@
 #   offline_1000_fp8         the same with FP8 weights: ~170 s
 #   offline_1000_fp8kv       the same with FP8 weights and an FP8 KV cache: ~150 s (run kv_pool before it,
 #                            or carry a cache that has the FP8-KV kernels: warm_flashinfer builds bf16 only)
+#   gemv                     decode-sized FP8-weight GEMV vs bf16 linear on the 8B shapes: ~40 s
 #   tests_fp8kv              GPU tests of the FP8 KV backends, flashinfer sampling and FP8 GEMMs: ~150 s
 #   tests_tp latency_tp      two GPUs (nvidia-h200-x2): TP=2 GPU tests; batch-1 decode at TP=1 and TP=2
 #   serving_dp               two GPUs: the appliance at 1 replica, then --data-parallel-size 2: ~300 s
@@ -31,7 +32,7 @@ export PYTHONUNBUFFERED=1
 MODEL=configs/models/llama-3.1-8b
 STAGES=${*:-roofline latency_triton tests latency_flashinfer latency_b32 offline hf tests_8b}
 KNOWN=" roofline latency_triton tests latency_flashinfer latency_b32 offline offline_no_overlap latency_fp8 kv_pool \
-offline_1000 offline_1000_fp8 offline_1000_fp8kv hf tests_8b idle serving tests_tp latency_tp serving_dp tests_fp8kv "
+offline_1000 offline_1000_fp8 offline_1000_fp8kv hf tests_8b idle serving tests_tp latency_tp serving_dp tests_fp8kv gemv "
 for s in $STAGES; do  # every name checked before anything runs
   [[ $KNOWN == *" $s "* ]] || { echo "unknown stage $s; known:$KNOWN"; exit 2; }
 done
@@ -126,9 +127,11 @@ for s in $STAGES; do
     serving) stage serving 200 bash scripts/gpu/serve_and_bench.sh "$RUN" serving ;;
     # Two GPUs (nvidia-h200-x2): TP=2 parity tests, batch-1 decode TP=1 vs TP=2, and the appliance's
     # throughput with one replica vs two (--data-parallel-size 2) at twice the concurrency.
+    gemv) stage gemv 120 python3 scripts/gpu/bench_fp8_gemv.py --json "$RUN/gemv.json" ;;
     tests_fp8kv) wait $WARM; stage tests_fp8kv 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_kv_backends.py \
       tests/gpu/test_flashinfer_sampling.py tests/gpu/test_fp8_gpu.py ;;
-    tests_tp) wait $WARM; stage tests_tp 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py ;;
+    tests_tp) wait $WARM; stage tests_tp 200 python3 -m pytest -v -s -p no:cacheprovider -o faulthandler_timeout=100 \
+      tests/gpu/test_tensor_parallel_gpu.py ;;
     latency_tp)
       wait $WARM
       latency latency_tp1_b1 flashinfer 1

@@ -14,7 +14,7 @@ part() {  # part NAME GPUS DEADLINE STAGES
   local name=$1 gpus=$2 limit=$3 stages=$4
   [ -n "$stages" ] || return 0
   # shellcheck disable=SC2086  # stages are a list
-  CUDA_VISIBLE_DEVICES=$gpus RUN=/tmp/ts_run_$name OUT=$OUT/$name DEADLINE=$limit NO_FI_TAR=${5:-1} \
+  CUDA_VISIBLE_DEVICES=$gpus RUN=/tmp/ts_run_$name OUT=$OUT/$name DEADLINE=$limit NO_FI_TAR=${5-1} \
     bash scripts/gpu/run_h200.sh $stages > "$OUT/$name.txt" 2>&1
 }
 part gpu0 0 "$SPLIT" "${1:-}" &

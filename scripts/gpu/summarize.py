@@ -149,9 +149,18 @@ def ratio_lines(results: dict[str, dict]) -> list[str]:
     return lines
 
 
+def gemv_lines(results: dict) -> list[str]:
+    """bench_fp8_gemv.py's rows (a list): the FP8-weight GEMV against bf16 cuBLAS per layer shape."""
+    return [f"gemv {r['layer']} m={r['m']}: FP8 {r['fp8_gemv_ms'] * 1e3:.1f} us ({r['fp8_gemv_tb_s']:.2f} TB/s), "
+            f"bf16 {r['bf16_linear_ms'] * 1e3:.1f} us ({r['bf16_tb_s']:.2f} TB/s): x{r['speedup_vs_bf16']:.2f}"
+            for r in results.get("gemv", [])]
+
+
 def table(results: dict[str, dict]) -> list[str]:
     ratios = ratio_lines(results)
-    return latency_table(results) + other_lines(results) + (["ratios:", *ratios] if ratios else [])
+    dicts = {name: r for name, r in results.items() if isinstance(r, dict)}
+    return (latency_table(dicts) + other_lines(dicts) + gemv_lines(results)
+            + (["ratios:", *ratios] if ratios else []))
 
 
 def main() -> None:

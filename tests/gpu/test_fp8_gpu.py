@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tokenspeed_kernels.fp8_gemv import fp8_gemv, fp8_gemv_reference
 
 from app.worker.attention import build_attention_batch, make_attention_backend
 from app.worker.kv_cache import KVCache
@@ -29,6 +30,7 @@ from app.worker.quantization import (
     quantize_rows,
     quantized_layers,
 )
+from app.worker.quantization.gemm import GEMV_MAX_ROWS
 from tests.gpu.test_model_runner_gpu import LLAMA_31_8B, settings
 from tests.support.model_factory import build_tiny_model, write_fp8_checkpoint
 from tests.unit.test_model_runner import Request, ScriptedScheduler, prompts_for
@@ -63,9 +65,23 @@ def test_scaled_mm_matches_the_emulated_gemm(m: int, static: bool) -> None:
     backend = fp8_gemm_here()
     if torch.cuda.get_device_capability(CUDA) >= (9, 0):
         assert backend == SCALED_MM_ROWWISE
-    got, want = fp8_linear(*args, backend), fp8_linear(*args, EMULATED)
+    got = fp8_linear(*args, backend)
+    if m <= GEMV_MAX_ROWS:  # decode sizes: the weight-only GEMV, activations not quantized
+        want = fp8_gemv_reference(x, w_codes, w_scale) + bias
+    else:
+        want = fp8_linear(*args, EMULATED)
     assert got.dtype == torch.bfloat16 and got.shape == (m, 384)
     assert relative_error(got, want) < 1e-2  # bf16 outputs, different summation order
+
+
+@needs_scaled_mm
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 6144, 4096), (4, 4096, 14336), (16, 1000, 200)])
+def test_fp8_gemv_in_bf16_matches_float64(m: int, n: int, k: int) -> None:
+    gen = torch.Generator(device=CUDA).manual_seed(n)
+    w_codes, w_scale = quantize_rows(torch.randn(n, k, generator=gen, device=CUDA) * 0.02)
+    x = torch.randn(m, k, generator=gen, device=CUDA).to(torch.bfloat16)
+    got = fp8_gemv(x, w_codes, w_scale.view(-1))
+    assert relative_error(got, fp8_gemv_reference(x, w_codes, w_scale.view(-1))) < 1e-2
 
 
 @needs_scaled_mm

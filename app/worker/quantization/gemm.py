@@ -7,6 +7,10 @@ Two implementations of the same numbers:
   a float32 product of the codes, then the same [M, 1] x [1, N] scales. _scaled_mm wants the second
   operand column-major: the [N, K] row-major weight transposed is exactly that, without a copy;
   K and N must be multiples of 16 (layers that are not fall back to EMULATED).
+  Decode-sized batches (<= GEMV_MAX_ROWS rows) are bound by reading the weights, and cuBLAS's FP8
+  GEMM is slow there: they run kernels/fp8_gemv.py instead, which reads the codes once and multiplies
+  them, cast to the activation dtype, with the unquantized activations (W8A16: no per-token quantize,
+  at least the W8A8 path's accuracy; static input scales are not applied).
 - EMULATED: anywhere else (CPU, older GPUs): the codes cast to the activation dtype (exact: every
   e4m3 value is a bf16/fp16/fp32 value), one matmul, the scales applied in float32. The activations
   go through the same FP8 rounding, so CPU tests see the numerics the GPU runs.
@@ -15,6 +19,7 @@ Two implementations of the same numbers:
 from __future__ import annotations
 
 import torch
+from tokenspeed_kernels.fp8_gemv import MAX_M, fp8_gemv
 
 from app.worker.quantization.fp8 import FP8_DTYPE, quantize, quantize_rows
 
@@ -22,6 +27,8 @@ SCALED_MM_ROWWISE = "scaled_mm_rowwise"  # SM90+
 SCALED_MM_TENSORWISE = "scaled_mm_tensorwise"  # SM89
 EMULATED = "emulated"
 BACKENDS = (SCALED_MM_ROWWISE, SCALED_MM_TENSORWISE, EMULATED)
+# Up to this many rows the _scaled_mm backends run the weight-only FP8 GEMV instead (kernels/fp8_gemv.py).
+GEMV_MAX_ROWS = MAX_M
 
 
 def gemm_backend(device: torch.device, in_features: int, out_features: int) -> str:
@@ -54,7 +61,13 @@ def fp8_linear(
     if weight.dtype != FP8_DTYPE:
         raise TypeError(f"fp8_linear needs {FP8_DTYPE} weights, got {weight.dtype}")
     lead = x.shape[:-1]
-    xq, x_scale = quantize_input(x.reshape(-1, x.shape[-1]), input_scale)
+    rows = x.reshape(-1, x.shape[-1])
+    if backend in (SCALED_MM_ROWWISE, SCALED_MM_TENSORWISE) and rows.shape[0] <= GEMV_MAX_ROWS:
+        y = _weight_only(rows, weight, weight_scale)
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*lead, weight.shape[0])
+    xq, x_scale = quantize_input(rows, input_scale)
     if backend == SCALED_MM_ROWWISE:
         y = _scaled_mm_rowwise(xq, x_scale, weight, weight_scale, x.dtype)
     elif backend == SCALED_MM_TENSORWISE:
@@ -66,6 +79,11 @@ def fp8_linear(
     if bias is not None:
         y = y + bias
     return y.reshape(*lead, weight.shape[0])
+
+
+def _weight_only(rows: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """Decode-sized batches: the FP8-weight GEMV (activations unquantized; see the module docstring)."""
+    return fp8_gemv(rows if rows.stride(-1) == 1 else rows.contiguous(), weight, weight_scale)
 
 
 def _emulated(

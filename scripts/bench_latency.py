@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -130,6 +131,13 @@ def make_runner(settings: Any, device: torch.device, tensor_parallel_size: int =
 
 def tp_size(runner: Any) -> int:
     return runner.tp.size
+
+
+def exit_after_tp(tensor_parallel_size: int) -> None:
+    """A TP leader on CUDA cannot destroy its NCCL group once graphs captured it (app/worker/parallel.py):
+    leave without the interpreter's teardown, the results written."""
+    if tensor_parallel_size > 1:
+        os._exit(0)
 
 
 def close_runner(runner: Any) -> None:
@@ -279,9 +287,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     result = run(args)
     text = json.dumps(result, indent=2)
-    print(text)
+    print(text, flush=True)
     if args.json:
         Path(args.json).write_text(text + "\n")
+    exit_after_tp(args.tensor_parallel_size)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from app.worker.process import StepPipeline  # noqa: E402
 from scripts.bench_latency import (  # noqa: E402
     add_common_flags,
     close_runner,
+    exit_after_tp,
     make_runner,
     runner_figures,
     runner_settings,
@@ -232,9 +233,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     result = run(args)
     text = json.dumps(result, indent=2)
-    print(text)
+    print(text, flush=True)
     if args.json:
         Path(args.json).write_text(text + "\n")
+    exit_after_tp(args.tensor_parallel_size)
 
 
 if __name__ == "__main__":

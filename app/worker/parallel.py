@@ -130,5 +130,7 @@ class Distributed(TensorParallel):
         return data
 
     def close(self) -> None:
-        if dist.is_initialized():
+        """Leave the group (CPU only). With NCCL, destroying a communicator that CUDA graphs captured
+        hangs (pytorch/pytorch#115388): a CUDA rank keeps its group until its process exits."""
+        if dist.is_initialized() and self.device.type != "cuda":
             dist.destroy_process_group()

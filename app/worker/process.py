@@ -10,6 +10,10 @@ arrives, before it reads the tokens of the step still running (ModelRunner.launc
 GPU does not wait for the host (staging, sampling launches, the token readback, IPC) between steps.
 Results still go out in step order, and a failure in the later step's launch cannot hold back the
 earlier step's result.
+
+Tensor parallelism (app/worker/parallel.py): only TP rank 0, the leader, has ZMQ sockets to the
+scheduler. It relays every message it takes to the other ranks before acting on it (and an empty one
+every idle second, their heartbeat); they run the same steps (follow_steps) and answer nothing.
 """
 
 from __future__ import annotations
@@ -102,19 +106,26 @@ def run_worker(settings, endpoints: Endpoints, place: WorkerPlace | None = None,
     ready = runner.ready_message()
     log.info("%s ready on %s: %s", place.name, device, ready.info)
 
-    faults = FaultInjector.from_env()
     heartbeat = lifecycle.Heartbeat.attach(endpoints.runtime_dir, place.name)
     ctx = zmq.Context()
-    supervisor = ipc.connect_push(ctx, endpoints.inbox("supervisor"))
     lifecycle.on_sigterm(lambda: os._exit(0))  # nothing to flush: device state dies with us
-    if not tp.leader:
-        ipc.send(supervisor, p.ProcessReady(place.name, os.getpid(), {}))
-        try:
-            with torch.inference_mode():
+    try:
+        with torch.inference_mode():
+            if tp.leader:
+                _lead(runner, ready, place, endpoints, ctx, heartbeat, tp)
+            else:
+                supervisor = ipc.connect_push(ctx, endpoints.inbox("supervisor"))
+                ipc.send(supervisor, p.ProcessReady(place.name, os.getpid(), {}))
                 follow_steps(runner, tp, heartbeat)
-        finally:
-            ctx.destroy(linger=0)
-        return
+    finally:
+        ctx.destroy(linger=0)
+    if tp.size > 1 and device.type == "cuda":
+        os._exit(0)  # an NCCL group that CUDA graphs captured cannot be torn down (app/worker/parallel.py)
+
+
+def _lead(runner, ready: p.WorkerReady, place: WorkerPlace, endpoints: Endpoints, ctx: zmq.Context,
+          heartbeat: lifecycle.Heartbeat | None, tp: TensorParallel) -> None:
+    """TP rank 0 (or the only rank): the replica's scheduler's counterpart."""
     inbox = ipc.bind_pull(ctx, endpoints.inbox("worker", place.replica))
     results = ipc.connect_push(ctx, endpoints.inbox("scheduler_results", place.replica))
     ipc.send(results, ready)
@@ -126,13 +137,12 @@ def run_worker(settings, endpoints: Endpoints, place: WorkerPlace | None = None,
         "vocab_size": ready.vocab_size,
         "eos_token_ids": ready.eos_token_ids,
     }
+    supervisor = ipc.connect_push(ctx, endpoints.inbox("supervisor"))
     ipc.send(supervisor, p.ProcessReady(place.name, os.getpid(), engine_info))
     try:
-        with torch.inference_mode():
-            serve_steps(runner, inbox, results, heartbeat, faults, relay=tp if tp.size > 1 else None)
+        serve_steps(runner, inbox, results, heartbeat, FaultInjector.from_env(), relay=tp if tp.size > 1 else None)
     finally:
         results.close(linger=1000)  # the last result (a failure's) must reach the scheduler
-        ctx.destroy(linger=0)
 
 
 def serve_steps(runner, inbox: zmq.Socket, results: zmq.Socket, heartbeat: lifecycle.Heartbeat | None = None,

@@ -6,6 +6,7 @@ worker processes do. The leader's runner relays every plan to them before it run
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 from typing import Any
 
 import torch
@@ -39,7 +40,8 @@ class LeaderRunner:
         return self.finish(self.launch(plan))
 
     def close(self) -> None:
-        """Stop the followers (they finish what they were relayed first)."""
+        """Stop the followers (they finish what they were relayed first). On CUDA this process keeps its
+        NCCL group until it exits (app/worker/parallel.py): one group per process."""
         self.tp.relay(p.encode(p.Shutdown()))
         for proc in self.followers:
             proc.join(FOLLOWER_STOP_S)
@@ -62,7 +64,7 @@ def _follower_main(settings: Any, device: str, rank: int, size: int, init_method
     runner.warmup()
     with torch.inference_mode():
         follow_steps(runner, tp)
-    tp.close()
+    os._exit(0)  # no interpreter teardown: an NCCL group that CUDA graphs captured cannot be destroyed
 
 
 def start_tp_group(settings: Any, device: torch.device, size: int) -> LeaderRunner:

@@ -5,8 +5,12 @@ all-reduces); and a worker placed on a GPU that does not exist stops with a mess
 from __future__ import annotations
 
 import gc
+import multiprocessing as mp
+import os
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,6 +25,7 @@ from tests.unit.test_model_runner import prompts_for
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 CUDA = torch.device("cuda", 0)
+GROUP_TIMEOUT_S = 150
 
 
 @pytest.fixture(autouse=True)
@@ -28,6 +33,19 @@ def free_gpu_memory() -> Iterator[None]:
     yield
     gc.collect()
     torch.cuda.empty_cache()
+
+
+def _leader_main(fields: dict, model_dir: str, prompts: list[list[int]], queue: Any) -> None:
+    """TP rank 0 in a process of its own: an NCCL group that CUDA graphs captured cannot be destroyed
+    (app/worker/parallel.py), so each group lives and dies with its processes."""
+    try:
+        leader = start_tp_group(settings(Path(model_dir), **fields), CUDA, 2)
+        outputs = run_requests(leader, prompts, 24)
+        queue.put((leader.graphs is not None, outputs))
+        leader.close()
+    except Exception:
+        queue.put((None, traceback.format_exc()))
+    os._exit(0)
 
 
 @two_gpus
@@ -43,12 +61,19 @@ def test_tp2_greedy_equals_one_gpu(backend: str, eager: bool, tmp_path: Path) ->
     expected = run_requests(single, prompts, 24)
     del single
     gc.collect()
-    leader = start_tp_group(settings(model_dir, **fields), CUDA, 2)
+    torch.cuda.empty_cache()
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    leader = ctx.Process(target=_leader_main, args=(fields, str(model_dir), prompts, queue))
+    leader.start()
     try:
-        assert (leader.graphs is not None) == (not eager)
-        got = run_requests(leader, prompts, 24)
+        graphs, got = queue.get(timeout=GROUP_TIMEOUT_S)
     finally:
-        leader.close()
+        leader.join(30)
+        if leader.is_alive():
+            leader.kill()
+    assert graphs is not None, got
+    assert graphs == (not eager)
     if fields["dtype"] == "float32":
         assert got == expected
     else:  # bf16: the all-reduce sums partial products in another order; allow a late divergence

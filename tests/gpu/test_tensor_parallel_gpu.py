@@ -52,7 +52,8 @@ def _leader_main(fields: dict, model_dir: str, prompts: list[list[int]], queue: 
 @pytest.mark.parametrize("eager", [True, False])
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if getattr(b, "values", (b,))[0] != "torch"])
 def test_tp2_greedy_equals_one_gpu(backend: str, eager: bool, tmp_path: Path) -> None:
-    model_dir = build_tiny_model("llama", tmp_path, seed=2)
+    # head_dim 64: flashinfer's smallest (the default tiny model's 16 is triton-only)
+    model_dir = build_tiny_model("llama", tmp_path, seed=2, hidden_size=256, head_dim=64, intermediate_size=256)
     fields = {"dtype": "float32" if backend == "triton" else "bfloat16", "block_size": 4,
               "attention_backend": backend, "enforce_eager": eager, "gpu_memory_utilization": 0.3}
     single = ModelRunner(settings(model_dir, **fields), CUDA)

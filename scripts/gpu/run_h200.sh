@@ -103,7 +103,7 @@ for s in $STAGES; do
   case $s in
     roofline) stage roofline 40 python3 scripts/gpu/roofline.py "$RUN/roofline.json" ;;
     latency_triton) latency latency_triton_b1 triton 1 ;;
-    tests) stage tests_tiny 110 python3 -m pytest -q -p no:cacheprovider tests/gpu -k "not 8b and not flashinfer" ;;
+    tests) stage tests_tiny 240 python3 -m pytest -q -p no:cacheprovider tests/gpu -k "not 8b and not flashinfer" ;;
     latency_flashinfer)
       wait $WARM
       latency latency_flashinfer_b1 flashinfer 1

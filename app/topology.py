@@ -81,7 +81,3 @@ class Topology:
             gpu = self.base_gpu_id + local * self.gpu_id_step
             places.append(WorkerPlace(replica, rank, self.tp, gpu, self.worker_name(replica, rank)))
         return places
-
-    def gpus_needed(self) -> int:
-        """Device indices this node's workers reach up to (exclusive): what must be visible."""
-        return self.base_gpu_id + (self.per_node - 1) * self.gpu_id_step + 1

@@ -1,7 +1,7 @@
 """Rules that tie several settings together (the per-field ranges live on the fields).
 
-TP size versus attention heads needs the model's config, so the worker checks it; whether enough GPUs
-exist is checked by the supervisor before it starts the workers.
+TP size versus attention heads needs the model's config, and whether its GPU exists needs the node, so
+each worker checks those when it starts (app/worker/models/dense.py, app/worker/process.py).
 """
 
 from __future__ import annotations

@@ -72,6 +72,10 @@ class TensorParallel:
             raise RuntimeError("a single-rank group has nobody to relay from")
         return payload
 
+    def failed_ranks(self, ok: bool) -> list[int]:
+        """The ranks whose `ok` is False (every rank calls it)."""
+        return [] if ok else [self.rank]
+
     def close(self) -> None:
         pass
 
@@ -106,6 +110,12 @@ class Distributed(TensorParallel):
         t = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
         return int(t.item())
+
+    def failed_ranks(self, ok: bool) -> list[int]:
+        flags = torch.zeros(self.size, dtype=torch.int64)
+        flags[self.rank] = 0 if ok else 1
+        dist.all_reduce(flags, group=self.cpu_group)
+        return [rank for rank, failed in enumerate(flags.tolist()) if failed]
 
     def relay(self, payload: bytes | None) -> bytes:
         """The leader passes a message (bytes) and every other rank gets it back; blocks until it has."""

@@ -32,7 +32,7 @@ import zmq
 from app import ipc, lifecycle
 from app import protocol as p
 from app.ipc import Endpoints
-from app.topology import WorkerPlace
+from app.topology import Topology, WorkerPlace
 from app.worker.faults import FaultInjector
 
 if TYPE_CHECKING:
@@ -74,8 +74,8 @@ def resolve_device(setting: str, gpu: int = 0):
 
 
 def set_cpu_threads(torch, workers: int = 1) -> None:
-    """Leave two cores to the http, tokenizer and scheduler processes, and share the rest among the
-    tensor-parallel workers.
+    """Leave two cores to the http, tokenizer and scheduler processes, and share the rest among this
+    node's workers.
 
     torch's OpenMP threads spin-wait for each other at every op: when a core they expect is busy
     with another process, each op waits for a scheduler time slice (seen here: 2 s per SmolLM2 decode
@@ -99,7 +99,7 @@ def run_worker(settings, endpoints: Endpoints, place: WorkerPlace | None = None,
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:
-        set_cpu_threads(torch, place.tp_size)
+        set_cpu_threads(torch, Topology.from_settings(settings).per_node)
     tp = TensorParallel.join(place.rank, place.tp_size, device, init_method)
     runner = ModelRunner(settings, device, tp)
     runner.warmup()
@@ -312,5 +312,19 @@ def run_control(runner, msg: p.ControlRequest, heartbeat: lifecycle.Heartbeat | 
     while thread.is_alive():
         lifecycle.beat(heartbeat)
         thread.join(lifecycle.HEARTBEAT_INTERVAL_S)
-    log.info("%s: %s", msg.kind, outcome[0].message)
-    return outcome[0]
+    reply = outcome[0]
+    log.info("%s: %s", msg.kind, reply.message)
+    tp = getattr(runner, "tp", None)
+    if tp is not None and tp.size > 1:  # every rank ran it; the leader answers for all of them
+        reply = _agreed(reply, msg.kind, tp.failed_ranks(reply.success))
+    return reply
+
+
+def _agreed(reply: p.ControlReply, kind: str, failed: list[int]) -> p.ControlReply:
+    """The leader's reply, failed if any TP rank failed (checks run before any change, so a refusal is the
+    same on every rank; a rank failing alone failed mid-way, e.g. reading its disk)."""
+    if not failed or not reply.success:
+        return reply
+    return p.ControlReply(reply.req_id, False, f"{kind} failed on tensor-parallel rank(s) "
+                          f"{', '.join(map(str, failed))} (see their logs) after rank 0 succeeded: the ranks' "
+                          "weights may differ now; reload them (update_weights_from_disk)")

@@ -12,16 +12,16 @@ from tests.support.appliance import Appliance, free_port
 FLAGS = ("--block-size", "4", "--chunked-prefill-size", "24", "--max-total-tokens", "2048")
 
 
-@pytest.mark.parametrize(("arch", "tp"), [("llama", 2), ("qwen3", 2), ("qwen2", 4)])
-def test_tp_greedy_matches_transformers(arch: str, tp: int, tiny_model_dirs, log_dir) -> None:
+@pytest.mark.parametrize(("arch", "tp", "dp"), [("llama", 2, 1), ("qwen3", 2, 1), ("qwen2", 4, 1), ("llama", 2, 2)])
+def test_tp_greedy_matches_transformers(arch: str, tp: int, dp: int, tiny_model_dirs, log_dir) -> None:
     model_dir = tiny_model_dirs[arch]
     prompts = prompts_for(400)
     expected = hf_greedy(model_dir, prompts, NEW_TOKENS)
-    with Appliance(model_dir, "--tp", str(tp), *FLAGS, log_dir=log_dir) as app:
+    with Appliance(model_dir, "--tp", str(tp), "--data-parallel-size", str(dp), *FLAGS, log_dir=log_dir) as app:
         got = served_greedy(app, prompts, NEW_TOKENS)
         logs = app.logs()
     assert got == expected
-    assert f"tensor parallel rank {tp - 1} of {tp} joined" in logs
+    assert logs.count(f"tensor parallel rank {tp - 1} of {tp} joined") == dp
 
 
 def test_smollm2_tp3_matches_transformers(smollm2_dir, log_dir) -> None:
@@ -64,3 +64,25 @@ def test_two_nodes_on_loopback(tiny_model_dirs, log_dir) -> None:
         assert "worker1" in node1.logs() and not node1.leftover_processes()
     finally:
         node1.kill()
+
+
+def test_tp_weight_updates_reach_every_rank(tmp_path, log_dir) -> None:
+    """A reload from disk and a tensor update under TP=2: every rank takes its slices, the leader answers."""
+    import base64
+
+    from safetensors.torch import load_file, save
+
+    from tests.integration.test_weight_updates import hf_greedy as hf_prompt_greedy
+    from tests.integration.test_weight_updates import post, served
+    from tests.support.model_factory import build_tiny_model
+
+    base = build_tiny_model("llama", tmp_path / "base", seed=1)
+    second = build_tiny_model("llama", tmp_path / "second", seed=2)
+    with Appliance(base, "--tp", "2", *FLAGS, log_dir=log_dir) as app:
+        r = post(app, "/update_weights_from_disk", {"model_path": str(second), "weight_version": "disk"})
+        assert r.status_code == 200 and r.json()["success"], r.text
+        assert served(app) == (hf_prompt_greedy(second), "disk")
+        payload = base64.b64encode(save(load_file(str(base / "model.safetensors")))).decode()
+        r = post(app, "/update_weights_from_tensor", {"serialized_named_tensors": [payload], "weight_version": "t"})
+        assert r.status_code == 200 and r.json()["success"], r.text
+        assert served(app) == (hf_prompt_greedy(base), "t")

@@ -71,7 +71,7 @@ def _rank_main(rank: int, size: int, init: str, model_dir: str, prompts: list[li
         runner.warmup()
         import json
 
-        wrong = []
+        wrong = [] if tp.failed_ranks(rank != size - 1) == [size - 1] else ["failed_ranks"]
         if check_shards:
             config = json.loads(Path(model_dir, "config.json").read_text())
             want = expected_shards(load_file(str(Path(model_dir, "model.safetensors"))), config, rank, size)
@@ -170,3 +170,15 @@ def test_tp_sizes_that_do_not_divide_the_model_are_refused(tmp_path: Path) -> No
         dims.check_tp(3)
     with pytest.raises(ValueError, match="intermediate rows"):
         DenseDims(64, 8, 8, 8, 100, 1, 100, 1e-6).check_tp(8)
+
+
+def test_a_control_reply_fails_when_another_rank_failed() -> None:
+    from app import protocol as p
+    from app.worker.process import _agreed
+
+    ok = p.ControlReply("r", True, "Loaded 12 tensors.")
+    assert _agreed(ok, "update_weights_from_disk", []) is ok
+    failed = _agreed(ok, "update_weights_from_disk", [1, 3])
+    assert not failed.success and "rank(s) 1, 3" in failed.message and "weights may differ" in failed.message
+    refused = p.ControlReply("r", False, "weights not updated: unknown tensor x")
+    assert _agreed(refused, "update_weights_from_tensor", [0, 1]) is refused

@@ -207,6 +207,8 @@ class ModelRunner:
             self.attention_backend_name = fp8_kv_backend(
                 self.attention_backend_name, backend_class(self.attention_backend_name)
             )
+        if self.attention_backend_name == "flashinfer" and settings.attention_backend is None:
+            self.attention_backend_name = self._flashinfer_or_triton()
         self.graph_sizes = self._graph_sizes()
         self.graph_reserve_bytes = 0
         pool_started = time.perf_counter()
@@ -251,6 +253,19 @@ class ModelRunner:
         )
 
     # ------------------------------------------------------------------ start-up
+
+    def _flashinfer_or_triton(self) -> str:
+        """The default flashinfer backend only if its kernels load here (a cached JIT build, or nvcc to
+        build them); else triton, said in the log. An explicit --attention-backend flashinfer fails instead."""
+        from app.worker.attention.flashinfer_backend import kernels_unavailable
+
+        problem = kernels_unavailable(self.model.attention_spec, self.kv_dtype, self.device)
+        if not self.tp.failed_ranks(problem is None):  # TP ranks agree on one backend
+            return "flashinfer"
+        logger.warning("flashinfer's attention kernels cannot be loaded or built on every rank (here: %s): "
+                       "using the triton backend; docs/deploy.md says how to ship a flashinfer kernel cache",
+                       problem or "fine")
+        return "triton"
 
     def _build_model(self, model_dir: Any) -> DenseCausalLM:
         cls = model_class_for(self.config)

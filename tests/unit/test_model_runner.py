@@ -383,3 +383,19 @@ def test_default_model_greedy_parity() -> None:
     outputs = sched.run()
     for i, prompt in enumerate(prompts):
         assert outputs[f"p{i}"] == hf_greedy(model_dir, prompt, 32), f"p{i}"
+
+
+def test_default_flashinfer_falls_back_to_triton_when_its_kernels_cannot_load(monkeypatch, caplog) -> None:
+    """The runtime image has no nvcc: without a flashinfer kernel cache the default backend is triton."""
+    from types import SimpleNamespace
+
+    from app.worker.attention import flashinfer_backend
+    from app.worker.parallel import SINGLE
+
+    runner = SimpleNamespace(model=SimpleNamespace(attention_spec=None), kv_dtype=torch.bfloat16, device=CPU,
+                             tp=SINGLE)
+    monkeypatch.setattr(flashinfer_backend, "kernels_unavailable", lambda *_: None)
+    assert ModelRunner._flashinfer_or_triton(runner) == "flashinfer"
+    monkeypatch.setattr(flashinfer_backend, "kernels_unavailable", lambda *_: "RuntimeError: nvcc not found")
+    assert ModelRunner._flashinfer_or_triton(runner) == "triton"
+    assert "nvcc not found" in caplog.text and "using the triton backend" in caplog.text

@@ -30,8 +30,14 @@ from typing import Any
 
 import torch
 
-from app.worker.attention.base import AttentionBackend, AttentionBatch, AttentionMetadata, AttentionSpec
-from app.worker.kv_cache import KVCache
+from app.worker.attention.base import (
+    AttentionBackend,
+    AttentionBatch,
+    AttentionMetadata,
+    AttentionSpec,
+    build_attention_batch,
+)
+from app.worker.kv_cache import KVCache, KVCacheSpec
 
 WORKSPACE_BYTES = 128 << 20
 INT_WORKSPACE_BYTES = 8 << 20
@@ -194,3 +200,25 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._write(k, v, k_cache, v_cache, meta.batch.slot_mapping, k_scale, v_scale)
         # 1.0 for a 16-bit cache: flashinfer then leaves the softmax scale and the output as they are.
         return meta.wrapper.run(q.contiguous(), (k_cache, v_cache), k_scale=k_scale, v_scale=v_scale)
+
+
+def kernels_unavailable(spec: AttentionSpec, kv_dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why flashinfer cannot run this model's attention here (None: it can). Runs a decode and a prefill
+    step, CUDA-graph decode included, on a two-sequence cache: that loads flashinfer's JIT kernels from
+    its cache (FLASHINFER_WORKSPACE_BASE), or builds them, which needs nvcc (the runtime image has none)."""
+    try:
+        cache = KVCache(KVCacheSpec(1, spec.num_kv_heads, spec.head_dim, kv_dtype), 16, 16, device)
+        backend = FlashInferAttentionBackend(cache, spec)
+        table = torch.arange(16, dtype=torch.int32, device=device).view(2, 8)
+        query_dtype = spec.q_dtype or kv_dtype
+        for query_lens, seq_lens in (([1, 1], [20, 70]), ([20, 3], [20, 70])):
+            batch = build_attention_batch(table, query_lens, seq_lens, 16)
+            q = torch.randn(batch.num_tokens, spec.num_heads, spec.head_dim, device=device, dtype=query_dtype)
+            k = torch.randn(batch.num_tokens, spec.num_kv_heads, spec.head_dim, device=device, dtype=query_dtype)
+            backend.forward(0, q, k, k.clone(), backend.plan(batch))
+        meta = backend.capture_metadata(build_attention_batch(table, [1, 1], [20, 70], 16))
+        backend.forward(0, q[:2], k[:2], k[:2].clone(), meta)
+        torch.cuda.synchronize(device)
+    except Exception as exc:  # a JIT build failure is a subprocess or RuntimeError from flashinfer
+        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}"
+    return None

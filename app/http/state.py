@@ -90,6 +90,8 @@ class ServerState:
         503 with Retry-After while the running and queued requests leave no room."""
         cfg = self.config
         limits = f"--max-num-seqs {cfg.max_num_seqs} + --max-queued-requests {cfg.max_queued_requests}"
+        if cfg.data_parallel_size > 1:
+            limits = f"({limits}) x --data-parallel-size {cfg.data_parallel_size}"
         if size > cfg.capacity:
             raise APIError(400, f"this request needs {size} sequences (prompts x n) but the server holds at most "
                            f"{cfg.capacity} at once ({limits})", code="too_many_sequences")

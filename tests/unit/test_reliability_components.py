@@ -220,3 +220,17 @@ def test_a_request_bigger_than_the_capacity_is_a_400_and_a_full_server_a_503() -
     assert too_big.status_code == 400 and "at most 3" in too_big.json()["error"]["message"]
     assert full.status_code == 503 and full.headers["retry-after"] == "5"
     assert full.json()["error"]["code"] == "queue_full"
+
+
+def test_capacity_counts_every_data_parallel_replica() -> None:
+    engine = FakeEngine(script=lambda req: None)
+    app = build_app(settings(max_num_seqs=2, max_queued_requests=1, data_parallel_size=2), engine)
+    body = {"model": "tiny-model", "prompt": "hi", "max_tokens": 2, "n": 7}
+
+    async def run() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            return await client.post("/v1/completions", json=body)
+
+    too_big = asyncio.run(run())
+    message = too_big.json()["error"]["message"]
+    assert too_big.status_code == 400 and "at most 6" in message and "x --data-parallel-size 2" in message

@@ -7,6 +7,10 @@ HTTP process is told first, so every request in flight gets a 503 instead of a d
 SIGTERM or SIGINT drains: the HTTP process stops admitting and lets in-flight requests finish up to
 --drain-timeout, then the children stop in order (http, tokenizer, scheduler, workers) and the
 supervisor exits 0. Children die with the supervisor even if it is SIGKILLed (PDEATHSIG).
+
+What runs where is app/topology.py's: on node 0 http, the tokenizer, one scheduler per data-parallel
+replica and this node's workers; on another node (--node-rank > 0) only its workers and a health-only
+http (app/http/node_health.py). Each replica's TP group meets at its own rendezvous address.
 """
 
 from __future__ import annotations

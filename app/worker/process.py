@@ -165,17 +165,8 @@ def serve_steps(runner, inbox: zmq.Socket, results: zmq.Socket, heartbeat: lifec
         raw = inbox.recv()
         if relay is not None:
             relay.relay(raw)
-        msg = p.decode(raw)
-        if isinstance(msg, p.StepPlan):
-            steps.launch(msg)
-            continue
-        steps.complete()
-        if isinstance(msg, p.Shutdown):
+        if _handle(p.decode(raw), steps, runner, heartbeat, lambda reply: ipc.send(results, reply)):
             return
-        if isinstance(msg, p.ControlRequest):
-            ipc.send(results, run_control(runner, msg, heartbeat))
-        else:
-            log.warning("dropping unexpected message %s", type(msg).__name__)
 
 
 def follow_steps(runner, tp: TensorParallel, heartbeat: lifecycle.Heartbeat | None = None) -> None:
@@ -185,17 +176,25 @@ def follow_steps(runner, tp: TensorParallel, heartbeat: lifecycle.Heartbeat | No
     while True:
         raw = tp.relay(None)
         lifecycle.beat(heartbeat)
-        if not raw:  # the leader's idle tick
-            continue
-        msg = p.decode(raw)
-        if isinstance(msg, p.StepPlan):
-            steps.launch(msg)
-            continue
-        steps.complete()
-        if isinstance(msg, p.Shutdown):
+        if raw and _handle(p.decode(raw), steps, runner, heartbeat, lambda reply: None):  # b"": idle tick
             return
-        if isinstance(msg, p.ControlRequest):
-            run_control(runner, msg, heartbeat)
+
+
+def _handle(msg: Any, steps: StepPipeline, runner, heartbeat: lifecycle.Heartbeat | None,
+            reply: Callable[[p.ControlReply], None]) -> bool:
+    """One message: a plan is launched at once; anything else waits for the step in flight to finish
+    (its result sent) first. True at Shutdown."""
+    if isinstance(msg, p.StepPlan):
+        steps.launch(msg)
+        return False
+    steps.complete()
+    if isinstance(msg, p.Shutdown):
+        return True
+    if isinstance(msg, p.ControlRequest):
+        reply(run_control(runner, msg, heartbeat))
+    else:
+        log.warning("dropping unexpected message %s", type(msg).__name__)
+    return False
 
 
 def _message_first(inbox: zmq.Socket, step: InFlight) -> bool:

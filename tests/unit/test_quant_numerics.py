@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tokenspeed_kernels.fp8_gemv import fp8_gemv_reference
 
 from app.worker.quantization import fp8_linear, gemm_backend, quantize, quantize_rows
 from app.worker.quantization.fp8 import (
@@ -21,7 +22,7 @@ from app.worker.quantization.fp8 import (
     expand_block_scales,
     requantize_blocks_to_rows,
 )
-from app.worker.quantization.gemm import EMULATED, SCALED_MM_ROWWISE, SCALED_MM_TENSORWISE
+from app.worker.quantization.gemm import EMULATED, GEMV_MAX_ROWS, SCALED_MM_ROWWISE, SCALED_MM_TENSORWISE
 
 
 def _bound(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -132,13 +133,27 @@ def _cpu_scaled_mm() -> bool:
 @pytest.mark.skipif(not _cpu_scaled_mm(), reason="this torch has no CPU torch._scaled_mm")
 @pytest.mark.parametrize("backend", [SCALED_MM_ROWWISE, SCALED_MM_TENSORWISE])
 def test_scaled_mm_call_layout_matches_the_emulated_gemm(backend: str) -> None:
-    """The Hopper/Ada call shapes (column-major weight view, [M,1] x [1,N] scales) run here on the CPU."""
+    """The Hopper/Ada call shapes (column-major weight view, [M,1] x [1,N] scales) run here on the CPU;
+    more rows than the decode-sized GEMV takes (kernels/fp8_gemv.py), so _scaled_mm is what runs."""
     gen = torch.Generator().manual_seed(6)
-    x = torch.randn(5, 64, generator=gen, dtype=torch.bfloat16)
+    x = torch.randn(GEMV_MAX_ROWS + 3, 64, generator=gen, dtype=torch.bfloat16)
     w_codes, w_scale = quantize_rows(torch.randn(32, 64, generator=gen))
     args = (x, w_codes, w_scale.view(1, -1), None, None)
     got, want = fp8_linear(*args, backend).float(), fp8_linear(*args, EMULATED).float()
     assert torch.allclose(got, want, rtol=2**-7, atol=1e-2)
+
+
+@pytest.mark.parametrize("backend", [SCALED_MM_ROWWISE, SCALED_MM_TENSORWISE])
+def test_decode_sized_batches_take_the_weight_only_gemv(backend: str) -> None:
+    """Up to GEMV_MAX_ROWS rows the FP8-capable backends multiply unquantized activations by the FP8
+    weights (W8A16): the float64 product of x and the dequantized weights, rounded once."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 64, generator=gen).to(torch.float16)
+    w_codes, w_scale = quantize_rows(torch.randn(32, 64, generator=gen))
+    bias = torch.randn(32, generator=gen).to(torch.float16)
+    got = fp8_linear(x, w_codes, w_scale.view(1, -1), None, bias, backend)
+    want = fp8_gemv_reference(x, w_codes, w_scale.view(-1)) + bias
+    assert torch.allclose(got.float(), want.float(), rtol=2**-9, atol=2e-3)
 
 
 def test_gemm_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:

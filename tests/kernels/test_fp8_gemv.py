@@ -12,7 +12,9 @@ import pytest
 import torch
 from tokenspeed_kernels.fp8_gemv import MAX_M, fp8_gemv, fp8_gemv_reference
 
+from app.worker.quantization import fp8_linear
 from app.worker.quantization.fp8 import quantize_rows
+from app.worker.quantization.gemm import SCALED_MM_ROWWISE, SCALED_MM_TENSORWISE
 
 REL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 
@@ -40,3 +42,16 @@ def test_fp8_gemv_refuses_what_it_does_not_serve() -> None:
         fp8_gemv(torch.randn(MAX_M + 1, 32), weight, scale)
     with pytest.raises(ValueError, match="weight and N scales"):
         fp8_gemv(torch.randn(2, 32), weight.float(), scale)
+
+
+@pytest.mark.parametrize("backend", [SCALED_MM_ROWWISE, SCALED_MM_TENSORWISE])
+def test_decode_sized_batches_take_the_weight_only_gemv(backend: str) -> None:
+    """Up to GEMV_MAX_ROWS rows the FP8-capable backends multiply unquantized activations by the FP8
+    weights (W8A16): the float64 product of x and the dequantized weights, rounded once."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 64, generator=gen).to(torch.float16)
+    w_codes, w_scale = quantize_rows(torch.randn(32, 64, generator=gen))
+    bias = torch.randn(32, generator=gen).to(torch.float16)
+    got = fp8_linear(x, w_codes, w_scale.view(1, -1), None, bias, backend)
+    want = fp8_gemv_reference(x, w_codes, w_scale.view(-1)) + bias
+    assert torch.allclose(got.float(), want.float(), rtol=2**-9, atol=2e-3)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tokenspeed_kernels.fp8_gemv import fp8_gemv_reference
 
 from app.worker.quantization import fp8_linear, gemm_backend, quantize, quantize_rows
 from app.worker.quantization.fp8 import (
@@ -141,19 +140,6 @@ def test_scaled_mm_call_layout_matches_the_emulated_gemm(backend: str) -> None:
     args = (x, w_codes, w_scale.view(1, -1), None, None)
     got, want = fp8_linear(*args, backend).float(), fp8_linear(*args, EMULATED).float()
     assert torch.allclose(got, want, rtol=2**-7, atol=1e-2)
-
-
-@pytest.mark.parametrize("backend", [SCALED_MM_ROWWISE, SCALED_MM_TENSORWISE])
-def test_decode_sized_batches_take_the_weight_only_gemv(backend: str) -> None:
-    """Up to GEMV_MAX_ROWS rows the FP8-capable backends multiply unquantized activations by the FP8
-    weights (W8A16): the float64 product of x and the dequantized weights, rounded once."""
-    gen = torch.Generator().manual_seed(7)
-    x = torch.randn(5, 64, generator=gen).to(torch.float16)
-    w_codes, w_scale = quantize_rows(torch.randn(32, 64, generator=gen))
-    bias = torch.randn(32, generator=gen).to(torch.float16)
-    got = fp8_linear(x, w_codes, w_scale.view(1, -1), None, bias, backend)
-    want = fp8_gemv_reference(x, w_codes, w_scale.view(-1)) + bias
-    assert torch.allclose(got.float(), want.float(), rtol=2**-9, atol=2e-3)
 
 
 def test_gemm_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -98,9 +99,10 @@ async def drive(base_url: str, model: str, total: int, concurrency: int, tally: 
 
 
 def processes(app: Appliance) -> dict[str, psutil.Process]:
+    """The supervisor and every child it started (schedulers and workers per replica and TP rank)."""
     out = {"supervisor": psutil.Process(app.proc.pid)}
-    for name in ("http", "tokenizer", "scheduler", "worker0"):
-        out[name] = psutil.Process(app.child_pid(name))
+    for name, pid in re.findall(r"started (\S+) \(pid (\d+)\)", app.logs()):
+        out[name] = psutil.Process(int(pid))
     return out
 
 
@@ -188,7 +190,11 @@ def main() -> int:
             model = build_tiny_model("llama", Path(tmp) / "llama", seed=1)
         app = Appliance(model, *args.serve_flags, log_dir=Path(tmp)).wait_ready()
         try:
-            tally, samples, elapsed = asyncio.run(soak(app, args))
+            try:
+                tally, samples, elapsed = asyncio.run(soak(app, args))
+            except Exception:  # the appliance's own account of it, before its log dir goes
+                print(app.logs()[-6000:], file=sys.stderr)
+                raise
             loads = httpx.get(f"{app.base_url}/get_loads", timeout=10).json()["loads"][0]
             inflight = httpx.get(f"{app.base_url}/get_server_info", timeout=10).json()["num_inflight_requests"]
         finally:

@@ -133,10 +133,15 @@ def tp_size(runner: Any) -> int:
     return runner.tp.size
 
 
-def exit_after_tp(tensor_parallel_size: int) -> None:
-    """A TP leader on CUDA cannot destroy its NCCL group once graphs captured it (app/worker/parallel.py):
-    leave without the interpreter's teardown, the results written."""
-    if tensor_parallel_size > 1:
+def emit(result: dict[str, Any], args: argparse.Namespace) -> None:
+    """Print the result as JSON and write it to --json. A TP leader on CUDA cannot destroy its NCCL
+    group once graphs captured it (app/worker/parallel.py): it then leaves without the interpreter's
+    teardown, the results written."""
+    text = json.dumps(result, indent=2)
+    print(text, flush=True)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    if args.tensor_parallel_size > 1:
         os._exit(0)
 
 
@@ -285,12 +290,7 @@ def main(argv: list[str] | None = None) -> None:
         "--copy-bandwidth", type=float, default=None, help="bytes/s (read + write); default: measure"
     )
     args = parser.parse_args(argv)
-    result = run(args)
-    text = json.dumps(result, indent=2)
-    print(text, flush=True)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
-    exit_after_tp(args.tensor_parallel_size)
+    emit(run(args), args)
 
 
 if __name__ == "__main__":

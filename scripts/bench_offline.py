@@ -39,7 +39,7 @@ from app.worker.process import StepPipeline  # noqa: E402
 from scripts.bench_latency import (  # noqa: E402
     add_common_flags,
     close_runner,
-    exit_after_tp,
+    emit,
     make_runner,
     runner_figures,
     runner_settings,
@@ -231,12 +231,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    result = run(args)
-    text = json.dumps(result, indent=2)
-    print(text, flush=True)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
-    exit_after_tp(args.tensor_parallel_size)
+    emit(run(args), args)
 
 
 if __name__ == "__main__":

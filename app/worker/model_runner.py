@@ -155,7 +155,6 @@ class ModelRunner:
         self.settings = settings
         self.device = torch.device(device)
         self.tp = tp  # this rank's tensor-parallel group (app/worker/parallel.py); SINGLE without TP
-        self.rank = tp.rank
         started = time.perf_counter()
         if self.device.type == "cuda":
             if self.device.index is None:  # "cuda": the current device, named (set_device needs an index)
@@ -476,7 +475,7 @@ class ModelRunner:
 
     def ready_message(self) -> WorkerReady:
         return WorkerReady(
-            rank=self.rank,
+            rank=self.tp.rank,
             num_blocks=self.pool.num_blocks,
             block_size=self.block_size,
             max_model_len=self.max_model_len,

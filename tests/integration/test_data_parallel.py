@@ -42,12 +42,6 @@ def queries(app: Appliance) -> dict[str, float]:
             if s.name.endswith("_total")}
 
 
-def loads(app: Appliance) -> list[dict]:
-    r = httpx.get(f"{app.base_url}/v1/loads", timeout=30)
-    assert r.status_code == 200, r.text
-    return r.json()["loads"]
-
-
 @pytest.fixture(scope="module")
 def reference(tiny_model_dirs, log_dir) -> list[list[int]]:
     """Greedy outputs of PROMPTS from one replica (--data-parallel-size 1), same weights and flags."""
@@ -70,7 +64,7 @@ def app(tiny_model_dirs, log_dir, events_dir, reference):  # the reference runs 
 
 
 def test_loads_has_one_entry_per_replica(app) -> None:
-    entries = loads(app)
+    entries = app.loads()
     assert [e["dp_rank"] for e in entries] == [0, 1]
     for e in entries:
         assert (e["num_reqs"], e["num_waiting_reqs"], e["num_pages"]) == (0, 0, 0)
@@ -85,7 +79,7 @@ def post(app: Appliance, route: str) -> None:
 
 def wait_waiting(app: Appliance, expected: list[int]) -> None:
     deadline = time.monotonic() + 30
-    while (waiting := [e["num_waiting_reqs"] for e in loads(app)]) != expected:
+    while (waiting := [e["num_waiting_reqs"] for e in app.loads()]) != expected:
         assert time.monotonic() < deadline, f"waiting requests per replica: {waiting}, expected {expected}"
         time.sleep(0.05)
 
@@ -165,11 +159,11 @@ def test_each_replica_publishes_kv_events_on_its_own_socket(app, events_dir) -> 
 
 
 def test_flush_cache_flushes_every_replica(app) -> None:
-    assert all(e["num_cached_blocks"] > 0 for e in loads(app))  # both replicas served prompts above
+    assert all(e["num_cached_blocks"] > 0 for e in app.loads())  # both replicas served prompts above
     r = httpx.get(f"{app.base_url}/flush_cache", timeout=30)
     assert r.status_code == 200 and r.json()["success"], r.text
     assert r.json()["message"].startswith(("Cache flushed", "replica 0: Cache flushed")), r.text
-    assert [e["num_cached_blocks"] for e in loads(app)] == [0, 0]
+    assert [e["num_cached_blocks"] for e in app.loads()] == [0, 0]
 
 
 def test_killing_one_replicas_worker_stops_the_appliance(app) -> None:

@@ -44,10 +44,6 @@ def generate(app: Appliance, ids: list[int], **sampling) -> dict:
     return r.json()
 
 
-def loads(app: Appliance) -> dict:
-    return httpx.get(f"{app.base_url}/v1/loads", timeout=10).json()["loads"][0]
-
-
 def test_prefix_cache_hit_reports_cached_tokens_and_keeps_output(llama, tiny_model_dirs, log_dir) -> None:
     httpx.post(f"{llama.base_url}/flush_cache", timeout=10)
     first = generate(llama, SHARED + [5, 6, 7])
@@ -130,10 +126,10 @@ def test_client_disconnect_aborts_and_frees_blocks(llama, model_name) -> None:
         chunks = r.iter_lines()
         for _ in range(3):
             next(chunks)
-        assert loads(llama)["num_reqs"] == 1
+        assert llama.loads()[0]["num_reqs"] == 1
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        now = loads(llama)
+        now = llama.loads()[0]
         if now["num_reqs"] == 0 and now["num_waiting_reqs"] == 0 and now["num_pages"] == 0:
             break
         time.sleep(0.1)
@@ -157,4 +153,4 @@ def test_abort_request_route_ends_a_request(llama) -> None:
     last = json.loads(events[-2][len("data: ") :])
     assert last["meta_info"]["finish_reason"]["type"] == "abort"
     assert last["meta_info"]["completion_tokens"] < 20000
-    assert loads(llama)["num_pages"] == 0
+    assert llama.loads()[0]["num_pages"] == 0

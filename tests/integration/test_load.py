@@ -25,20 +25,6 @@ def app(tiny_model_dirs, log_dir):
         yield appliance
 
 
-def loads(app: Appliance) -> dict[str, Any]:
-    return httpx.get(f"{app.base_url}/get_loads", timeout=10).json()["loads"][0]
-
-
-def wait_idle(app: Appliance, timeout: float = 15.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
-        now = loads(app)
-        if (now["num_running"], now["num_waiting"], now["num_used_blocks"]) == (0, 0, 0):
-            return now
-        assert time.monotonic() < deadline, f"the engine did not go idle: {now}"
-        time.sleep(0.1)
-
-
 def inflight(app: Appliance) -> int:
     return httpx.get(f"{app.base_url}/get_server_info", timeout=10).json()["num_inflight_requests"]
 
@@ -79,7 +65,7 @@ def test_200_concurrent_streams_end_cleanly_and_leak_no_kv_block(app: Appliance)
     outcomes = asyncio.run(many_streams(app.base_url, model))
     assert outcomes.count("left") == LEAVERS
     assert outcomes.count("done") == CLIENTS - LEAVERS, sorted(set(outcomes))
-    after = wait_idle(app)
+    after = app.wait_idle()
     assert after["num_blocks"] > 0
     assert inflight(app) == 0
     assert httpx.get(f"{app.base_url}/readiness").status_code == 200
@@ -110,7 +96,7 @@ def test_slow_readers_block_nobody_and_hold_no_kv(app: Appliance) -> None:
                            json={"model": model, "prompt": "quick", "max_tokens": 8, "ignore_eos": True})
             assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
         assert time.monotonic() - started < 20
-        wait_idle(app, timeout=60)
+        app.wait_idle(timeout=60)
         quitter.close()  # leaves without reading its answer
         received = bytearray()
         patient.settimeout(60)

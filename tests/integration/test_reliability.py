@@ -65,21 +65,8 @@ def events(response: httpx.Response) -> list[Any]:
     return out
 
 
-def loads(app: Appliance) -> dict[str, Any]:
-    r = httpx.get(f"{app.base_url}/get_loads", headers=API, timeout=10)
-    assert r.status_code == 200, r.text
-    return r.json()["loads"][0]
-
-
-def wait_idle(app: Appliance, timeout: float = 10.0) -> dict[str, Any]:
-    """The loads once nothing runs or waits (the KV pool back to no block in use)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        now = loads(app)
-        if (now["num_running"], now["num_waiting"], now["num_used_blocks"]) == (0, 0, 0):
-            return now
-        assert time.monotonic() < deadline, f"the engine did not go idle: {now}"
-        time.sleep(0.1)
+def wait_idle(app: Appliance) -> dict[str, Any]:
+    return app.wait_idle(timeout=10.0, headers=API)
 
 
 def in_threads(*calls: Any) -> list[Any]:

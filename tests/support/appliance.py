@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,13 +13,9 @@ from pathlib import Path
 import httpx
 import psutil
 
+from app.supervisor import free_port
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Appliance:
@@ -53,6 +48,22 @@ class Appliance:
             time.sleep(0.25)
         self.kill()
         raise TimeoutError(f"appliance not ready in {timeout}s:\n{self.logs()[-4000:]}")
+
+    def loads(self, headers: dict[str, str] | None = None) -> list[dict]:
+        """/get_loads: one entry per data-parallel replica."""
+        r = httpx.get(f"{self.base_url}/get_loads", headers=headers, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()["loads"]
+
+    def wait_idle(self, timeout: float = 15.0, headers: dict[str, str] | None = None) -> dict:
+        """Replica 0's loads once no replica runs or queues a request and no KV block is in use."""
+        deadline = time.monotonic() + timeout
+        while True:
+            now = self.loads(headers)
+            if all((e["num_running"], e["num_waiting"], e["num_used_blocks"]) == (0, 0, 0) for e in now):
+                return now[0]
+            assert time.monotonic() < deadline, f"the engine did not go idle: {now}"
+            time.sleep(0.1)
 
     def logs(self) -> str:
         self._log.flush()

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from transformers import AutoTokenizer
 
 from app.tokenizer.chat import ChatTemplateError, render_chat, render_chat_text, resolve_chat_template
 from app.tokenizer.templates import BUILTIN_CHAT_TEMPLATES
-from tests.support.tokenizer_factory import build_tokenizer
 
 MESSAGES = [
     {"role": "system", "content": "Be brief."},
@@ -18,13 +16,6 @@ CHATML_TEXT = (
     "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
     "<|im_start|>assistant\n"
 )
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok")
-    build_tokenizer(path)
-    return AutoTokenizer.from_pretrained(str(path))
 
 
 @pytest.fixture

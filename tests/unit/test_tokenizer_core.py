@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-from transformers import AutoTokenizer
-
 from app.protocol import (
     AbortRequest,
     ControlReply,
@@ -22,16 +19,8 @@ from app.protocol import (
     WorkerReady,
 )
 from app.tokenizer.core import HTTP, SCHEDULER, Outgoing, TokenizerCore
-from tests.support.tokenizer_factory import build_tokenizer
 
 MAX_MODEL_LEN = 64
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok")
-    build_tokenizer(path)
-    return AutoTokenizer.from_pretrained(str(path))
 
 
 def make_core(tok, *, stream_interval: int = 1, ready: bool = True) -> TokenizerCore:

@@ -3,18 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from transformers import AutoTokenizer
 
 from app.protocol import GenerateRequest, SamplingParams
 from app.tokenizer.prompt import PromptError, build_prompt, validate_prompt
-from tests.support.tokenizer_factory import build_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok")
-    build_tokenizer(path)
-    return AutoTokenizer.from_pretrained(str(path))
 
 
 def req(**kw) -> GenerateRequest:

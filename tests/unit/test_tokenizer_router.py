@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from transformers import AutoTokenizer
 
 from app.protocol import (
     AbortRequest,
@@ -19,7 +18,6 @@ from app.protocol import (
 )
 from app.tokenizer.core import HTTP, SCHEDULER, TokenizerCore
 from app.tokenizer.router import Router
-from tests.support.tokenizer_factory import build_tokenizer
 
 # ---------------------------------------------------------------- Router
 
@@ -96,13 +94,6 @@ def test_bad_router_settings_are_refused() -> None:
 # ---------------------------------------------------------------- TokenizerCore over two replicas
 
 MAX_MODEL_LEN = 64
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok")
-    build_tokenizer(path)
-    return AutoTokenizer.from_pretrained(str(path))
 
 
 def two_replicas(tok, method: str = "shortest_queue") -> TokenizerCore:

@@ -28,6 +28,7 @@ from app.worker.loader.updates import (
 )
 from app.worker.models import model_class_for
 from app.worker.models.dense import DenseCausalLM
+from app.worker.parallel import SINGLE
 from tests.support.appliance import free_port
 from tests.support.model_factory import build_tiny_model
 
@@ -149,7 +150,7 @@ def test_broadcast_updates_over_a_gloo_group(model_dirs, sglang_style) -> None:
             __import__("torch.distributed.distributed_c10d", fromlist=["x"])._new_process_group_helper).parameters:
         pytest.skip("this torch's _new_process_group_helper has another signature")
     model, _ = loaded(model_dirs["a"])
-    runner = SimpleNamespace(rank=0, device=torch.device("cpu"), model=model, quant_scheme=None)
+    runner = SimpleNamespace(tp=SINGLE, device=torch.device("cpu"), model=model, quant_scheme=None)
     control = WeightControl(runner)
     port, name = free_port(), "wg"
     norm = torch.full((64,), 2.0, dtype=torch.bfloat16)
@@ -188,7 +189,7 @@ def test_group_arguments_are_checked() -> None:
 
 def test_quantized_models_refuse_weight_changes(model_dirs) -> None:
     model, _ = loaded(model_dirs["a"])
-    runner = SimpleNamespace(rank=0, device=torch.device("cpu"), model=model, quant_scheme=object())
+    runner = SimpleNamespace(tp=SINGLE, device=torch.device("cpu"), model=model, quant_scheme=object())
     with pytest.raises(UpdateError, match="quantized"):
         WeightControl(runner).handle("update_weights_from_tensor", {"tensors": save({"model.norm.weight":
                                                                                      torch.ones(64)})})

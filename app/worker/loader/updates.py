@@ -273,7 +273,7 @@ class WeightControl:
 
     def __init__(self, runner: Any) -> None:
         self.runner = runner
-        self.groups = UpdateGroups(runner.rank)
+        self.groups = UpdateGroups(runner.tp.rank)
 
     def handle(self, kind: str, args: dict[str, Any]) -> str:
         r = self.runner

@@ -60,25 +60,27 @@ def fp8_linear(
     """x [..., K] in the model dtype, weight [N, K] FP8, weight_scale [1, N] float32 -> [..., N]."""
     if weight.dtype != FP8_DTYPE:
         raise TypeError(f"fp8_linear needs {FP8_DTYPE} weights, got {weight.dtype}")
-    lead = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1])
     if backend in (SCALED_MM_ROWWISE, SCALED_MM_TENSORWISE) and rows.shape[0] <= GEMV_MAX_ROWS:
         y = _weight_only(rows, weight, weight_scale)
-        if bias is not None:
-            y = y + bias
-        return y.reshape(*lead, weight.shape[0])
-    xq, x_scale = quantize_input(rows, input_scale)
-    if backend == SCALED_MM_ROWWISE:
-        y = _scaled_mm_rowwise(xq, x_scale, weight, weight_scale, x.dtype)
-    elif backend == SCALED_MM_TENSORWISE:
-        y = _scaled_mm_tensorwise(xq, x_scale, weight, weight_scale, x.dtype)
-    elif backend == EMULATED:
-        y = _emulated(xq, x_scale, weight, weight_scale, x.dtype)
     else:
-        raise ValueError(f"unknown FP8 GEMM backend {backend!r}")
+        y = _quantized_product(rows, weight, weight_scale, input_scale, backend)
     if bias is not None:
         y = y + bias
-    return y.reshape(*lead, weight.shape[0])
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _quantized_product(rows: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                       input_scale: torch.Tensor | None, backend: str) -> torch.Tensor:
+    """W8A8: the activations quantized per token (or with the static scale), then the backend's GEMM."""
+    xq, x_scale = quantize_input(rows, input_scale)
+    if backend == SCALED_MM_ROWWISE:
+        return _scaled_mm_rowwise(xq, x_scale, weight, weight_scale, rows.dtype)
+    if backend == SCALED_MM_TENSORWISE:
+        return _scaled_mm_tensorwise(xq, x_scale, weight, weight_scale, rows.dtype)
+    if backend == EMULATED:
+        return _emulated(xq, x_scale, weight, weight_scale, rows.dtype)
+    raise ValueError(f"unknown FP8 GEMM backend {backend!r}")
 
 
 def _weight_only(rows: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:

@@ -56,20 +56,24 @@ def on_sigterm(callback: Callable[[], None]) -> None:
 # ---------------------------------------------------------------- liveness heartbeats
 
 HEARTBEAT_INTERVAL_S = 1.0  # every process loop beats at least this often while it is healthy
-_STAMP = struct.Struct("d")
+# An observer that itself went this long between two looks (its host or VM was paused, it was starved
+# of CPU) counts only this much of the gap as silence: it cannot blame a child for time it was not watching.
+MAX_UNWATCHED_S = 5.0
+_COUNT = struct.Struct("Q")
 
 
 class Heartbeat:
-    """One process's liveness: the CLOCK_MONOTONIC time (system-wide on Linux) of its last beat, in an
-    8-byte file of the runtime dir mapped into memory, so a beat is a memory write, not a syscall. The
-    supervisor creates the file before it starts the child; the child beats from its main loop; the
-    supervisor (and http's readiness) read the age. A wedged loop stops beating."""
+    """One process's liveness: a beat counter in an 8-byte file of the runtime dir, mapped into memory,
+    so a beat is a memory write, not a syscall. The supervisor creates every file before it starts any
+    child; the child bumps its counter from its main loop; observers (the supervisor, http's readiness)
+    time its silence with a HeartbeatWatch on their own clock. No timestamp crosses processes, so a
+    clock that jumps (a paused VM) or a stray value in the file can never read as hours of silence."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         fd = os.open(path, os.O_RDWR)
         try:
-            self._map = mmap.mmap(fd, _STAMP.size)
+            self._map = mmap.mmap(fd, _COUNT.size)
         finally:
             os.close(fd)
 
@@ -81,7 +85,7 @@ class Heartbeat:
     def create(cls, runtime_dir: str, name: str) -> Heartbeat:
         path = cls.path_of(runtime_dir, name)
         with open(path, "wb") as f:
-            f.write(_STAMP.pack(time.monotonic()))
+            f.write(_COUNT.pack(0))
         return cls(path)
 
     @classmethod
@@ -91,11 +95,31 @@ class Heartbeat:
         return cls(path) if os.path.exists(path) else None
 
     def beat(self) -> None:
-        _STAMP.pack_into(self._map, 0, time.monotonic())
+        _COUNT.pack_into(self._map, 0, (self.count() + 1) % (1 << 64))
 
-    def age(self) -> float:
-        """Seconds since the last beat."""
-        return time.monotonic() - _STAMP.unpack_from(self._map, 0)[0]
+    def count(self) -> int:
+        return _COUNT.unpack_from(self._map, 0)[0]
+
+
+class HeartbeatWatch:
+    """How long a heartbeat has gone without a beat, timed on the observer's clock: each look compares
+    the counter with the previous look's. Silence starts counting when the watch is made."""
+
+    def __init__(self, heartbeat: Heartbeat) -> None:
+        self.heartbeat = heartbeat
+        self._count = heartbeat.count()
+        self._looked = time.monotonic()
+        self._silent = 0.0
+
+    def silent_for(self) -> float:
+        """Seconds without a beat, as of now."""
+        now, count = time.monotonic(), self.heartbeat.count()
+        if count != self._count:
+            self._count, self._silent = count, 0.0
+        else:
+            self._silent += min(now - self._looked, MAX_UNWATCHED_S)
+        self._looked = now
+        return self._silent
 
 
 def beat(heartbeat: Heartbeat | None) -> None:

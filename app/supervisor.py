@@ -89,11 +89,12 @@ class Supervisor:
             targets = [("http", run_node_health, ())]
         rendezvous = self.rendezvous()
         targets += [(w.name, run_worker, (w, rendezvous[w.replica])) for w in topo.local_workers()]
+        # Every heartbeat exists before any child starts: http looks for the engine's at its start-up.
+        heartbeats = {name: lifecycle.Heartbeat.create(self.runtime_dir, name) for name, _, _ in targets}
         for name, target, extra in targets:
-            heartbeat = lifecycle.Heartbeat.create(self.runtime_dir, name)
             proc = spawn.Process(target=target, args=(self.settings, self.endpoints, *extra), name=name)
             proc.start()
-            self.children.append(Child(name, proc, heartbeat))
+            self.children.append(Child(name, proc, heartbeats[name]))
             log.info("started %s (pid %d)", name, proc.pid)
 
     def rendezvous(self) -> dict[int, str]:
@@ -161,9 +162,9 @@ class Supervisor:
         s = self.settings
         return s.worker_heartbeat_timeout if name.startswith("worker") else s.heartbeat_timeout
 
-    def _wedged_child(self) -> Child | None:
+    def _wedged_child(self, watches: dict[str, lifecycle.HeartbeatWatch]) -> Child | None:
         for child in self.children:
-            age, limit = child.heartbeat.age(), self.heartbeat_timeout(child.name)
+            age, limit = watches[child.name].silent_for(), self.heartbeat_timeout(child.name)
             if age > limit:
                 flag = "--worker-heartbeat-timeout" if child.name.startswith("worker") else "--heartbeat-timeout"
                 self.failure = f"{child.name} is wedged (no heartbeat for {age:.1f} s)"
@@ -175,9 +176,11 @@ class Supervisor:
     def watch(self) -> int:
         """Block until a child dies or wedges (return 1) or a stop is requested (return 0)."""
         waitables = [c.process.sentinel for c in self.children] + [self._wake_r]
+        # Silence counts from here: a start-up spent loading weights is not a wedge.
+        watches = {c.name: lifecycle.HeartbeatWatch(c.heartbeat) for c in self.children}
         while not self.stop_requested:
             multiprocessing.connection.wait(waitables, timeout=0.5)
-            if self._dead_child() is not None or self._wedged_child() is not None:
+            if self._dead_child() is not None or self._wedged_child(watches) is not None:
                 return 1
         return 0
 

@@ -8,17 +8,20 @@ from __future__ import annotations
 import asyncio
 import glob
 import os
-from collections.abc import Callable
+from typing import Any
 
-from app.lifecycle import HEARTBEAT_INTERVAL_S, Heartbeat
+from app.lifecycle import HEARTBEAT_INTERVAL_S, Heartbeat, HeartbeatWatch
 
 READINESS_STALE_S = 10.0  # silent this long (or half its heartbeat timeout, if less): not ready
 ENGINE_PROCESSES = ("tokenizer", "scheduler*", "worker*")
 
 
-async def beat_forever(heartbeat: Heartbeat) -> None:
+async def beat_forever(heartbeat: Heartbeat | None, liveness: EngineLiveness) -> None:
+    """http's own beat, and a look at the engine's heartbeats, every interval."""
     while True:
-        heartbeat.beat()
+        if heartbeat is not None:
+            heartbeat.beat()
+        liveness.look()
         await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
 
@@ -31,18 +34,35 @@ def engine_heartbeats(runtime_dir: str) -> dict[str, Heartbeat]:
     return {name: beat for name, beat in beats.items() if beat is not None}
 
 
-def liveness_check(heartbeats: dict[str, Heartbeat], heartbeat_timeout: float,
-                   worker_heartbeat_timeout: float) -> Callable[[], str | None]:
-    """A function that says why the engine cannot serve now (a process gone silent), or None."""
-    def stale_after(name: str) -> float:
-        timeout = worker_heartbeat_timeout if name.startswith("worker") else heartbeat_timeout
-        return min(READINESS_STALE_S, timeout / 2)
+class EngineLiveness:
+    """http's view of the engine processes' heartbeats. Watching starts at the first question, which
+    readiness asks only once the engine is ready (a start-up spent loading weights is not silence);
+    http's beat loop looks every interval after that, so silence is timed between probes too."""
 
-    def problem() -> str | None:
-        for name, heartbeat in heartbeats.items():
-            age = heartbeat.age()
-            if age > stale_after(name):
-                return f"the {name} process has not reported for {age:.1f} s"
+    def __init__(self, heartbeats: dict[str, Heartbeat], heartbeat_timeout: float,
+                 worker_heartbeat_timeout: float) -> None:
+        def stale_after(name: str) -> float:
+            timeout = worker_heartbeat_timeout if name.startswith("worker") else heartbeat_timeout
+            return min(READINESS_STALE_S, timeout / 2)
+
+        self._heartbeats = heartbeats
+        self._stale_after = {name: stale_after(name) for name in heartbeats}
+        self._watches: dict[str, HeartbeatWatch] | None = None
+
+    @classmethod
+    def of(cls, runtime_dir: str, settings: Any) -> EngineLiveness:
+        return cls(engine_heartbeats(runtime_dir), settings.heartbeat_timeout, settings.worker_heartbeat_timeout)
+
+    def look(self) -> None:
+        for watch in (self._watches or {}).values():
+            watch.silent_for()
+
+    def problem(self) -> str | None:
+        """Why the engine cannot serve now (a process gone silent), or None."""
+        if self._watches is None:
+            self._watches = {name: HeartbeatWatch(beat) for name, beat in self._heartbeats.items()}
+        for name, watch in self._watches.items():
+            silent = watch.silent_for()
+            if silent > self._stale_after[name]:
+                return f"the {name} process has not reported for {silent:.1f} s"
         return None
-
-    return problem

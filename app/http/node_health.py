@@ -24,7 +24,7 @@ from starlette.routing import Route
 
 from app import ipc, lifecycle
 from app import protocol as p
-from app.http.liveness import beat_forever, engine_heartbeats, liveness_check
+from app.http.liveness import EngineLiveness, beat_forever
 from app.ipc import Endpoints
 from app.lifecycle import Heartbeat
 
@@ -63,14 +63,12 @@ def run_node_health(settings: Any, endpoints: Endpoints) -> None:
 
 
 async def _serve(settings: Any, endpoints: Endpoints) -> None:
-    problem = liveness_check(engine_heartbeats(endpoints.runtime_dir), settings.heartbeat_timeout,
-                             settings.worker_heartbeat_timeout)
-    state = NodeState(settings.node_rank, problem)
+    liveness = EngineLiveness.of(endpoints.runtime_dir, settings)
+    state = NodeState(settings.node_rank, liveness.problem)
     server = uvicorn.Server(uvicorn.Config(build_node_app(state), host=settings.host, port=settings.port,
                                            log_config=None, access_log=False))
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, lambda: setattr(server, "should_exit", True))
-    heartbeat = Heartbeat.attach(endpoints.runtime_dir, "http")
-    tasks = [asyncio.create_task(beat_forever(heartbeat))] if heartbeat else []
+    tasks = [asyncio.create_task(beat_forever(Heartbeat.attach(endpoints.runtime_dir, "http"), liveness))]
     ctx = zmq.asyncio.Context()
     inbox = ipc.bind_pull(ctx, endpoints.inbox("http"))
     tasks.append(asyncio.create_task(_follow_supervisor(inbox, state, server)))

@@ -33,7 +33,7 @@ from app.http.auth import ADMIN, ApiKeyMiddleware
 from app.http.config import HttpConfig
 from app.http.engine_client import BaseEngineClient, EngineClient
 from app.http.errors import CLIENT_CLOSED, APIError, ClientGone, error_body
-from app.http.liveness import beat_forever, engine_heartbeats, liveness_check
+from app.http.liveness import EngineLiveness, beat_forever
 from app.http.state import ServerState
 from app.http.streaming import JSON
 from app.ipc import Endpoints
@@ -165,10 +165,10 @@ async def _serve(settings: Any, config: HttpConfig, endpoints: Endpoints) -> Non
     client = EngineClient(endpoints, on_shutdown=lambda reason: stop_after.put_nowait(
         (0.0, reason or "an engine process failed")))
     app = build_app(settings, client)
-    app.state.http.engine_problem = liveness_check(
-        engine_heartbeats(endpoints.runtime_dir), config.heartbeat_timeout, config.worker_heartbeat_timeout)
+    liveness = EngineLiveness.of(endpoints.runtime_dir, config)
+    app.state.http.engine_problem = liveness.problem
     heartbeat = Heartbeat.attach(endpoints.runtime_dir, "http")
-    beating = asyncio.create_task(beat_forever(heartbeat), name="heartbeat") if heartbeat else None
+    beating = asyncio.create_task(beat_forever(heartbeat, liveness), name="heartbeat")
     server = _Server(uvicorn.Config(
         app, host=config.host, port=config.port, lifespan="on", log_config=None,
         access_log=config.log_level_http == "debug", timeout_graceful_shutdown=FLUSH_TIMEOUT_S,
@@ -188,8 +188,7 @@ async def _serve(settings: Any, config: HttpConfig, endpoints: Endpoints) -> Non
         else:
             stopping.cancel()
     loop.remove_signal_handler(signal.SIGTERM)
-    if beating is not None:
-        beating.cancel()
+    beating.cancel()
     await serving  # re-raises a start-up failure (uvicorn exits 1 when it cannot bind)
     if not server.started:
         raise RuntimeError("the HTTP server did not start (lifespan start-up failed: see the log above)")

@@ -4,6 +4,7 @@ timeouts, the worker's failure policy and fault switch, heartbeats and liveness,
 from __future__ import annotations
 
 import asyncio
+import struct
 import time
 from typing import Any
 
@@ -11,12 +12,12 @@ import httpx
 import pytest
 import zmq
 
-from app import ipc
+from app import ipc, lifecycle
 from app import protocol as p
 from app.http import auth
-from app.http.liveness import liveness_check
+from app.http.liveness import EngineLiveness
 from app.http.server import build_app
-from app.lifecycle import Heartbeat
+from app.lifecycle import Heartbeat, HeartbeatWatch
 from app.scheduler.scheduler import QueueFull, Scheduler, SchedulerConfig
 from app.worker.faults import Fault, parse_faults
 from app.worker.process import MAX_CONSECUTIVE_STEP_FAILURES, StepFailures, serve_steps
@@ -146,14 +147,40 @@ def test_consecutive_failures_end_the_worker_and_free_only_steps_do_not_count_as
 def test_heartbeats_and_liveness(tmp_path) -> None:
     beats = {name: Heartbeat.create(str(tmp_path), name) for name in ("tokenizer", "scheduler", "worker0")}
     assert Heartbeat.attach(str(tmp_path), "nobody") is None
-    problem = liveness_check(beats, heartbeat_timeout=30.0, worker_heartbeat_timeout=0.4)
-    assert problem() is None
+    liveness = EngineLiveness(beats, heartbeat_timeout=30.0, worker_heartbeat_timeout=0.4)
+    time.sleep(0.3)  # before the first question: not timed (readiness asks only once the engine is ready)
+    assert liveness.problem() is None
     time.sleep(0.3)
     beats["tokenizer"].beat()
     beats["scheduler"].beat()
-    assert "worker0" in (problem() or "")  # silent for more than half of its 0.4 s timeout
+    assert "worker0" in (liveness.problem() or "")  # silent for more than half of its 0.4 s timeout
     Heartbeat.attach(str(tmp_path), "worker0").beat()  # another process's beat lands in the same file
-    assert problem() is None and beats["worker0"].age() < 0.1
+    assert liveness.problem() is None
+
+
+def test_a_heartbeat_watch_times_silence_on_its_own_clock(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    heartbeat = Heartbeat.create(str(tmp_path), "scheduler")
+    now = [1000.0]
+    monkeypatch.setattr(lifecycle.time, "monotonic", lambda: now[0])
+    watch = HeartbeatWatch(heartbeat)
+    now[0] += 2.0
+    assert watch.silent_for() == 2.0
+    now[0] += 1.0
+    heartbeat.beat()
+    assert watch.silent_for() == 0.0
+    # The observer did not look for hours (a paused VM, a starved supervisor): that gap counts as at most
+    # MAX_UNWATCHED_S, so the child is not declared wedged for time nobody watched it.
+    now[0] += 19621.0
+    assert watch.silent_for() == lifecycle.MAX_UNWATCHED_S
+    for _ in range(10):
+        now[0] += 0.5
+        watch.silent_for()
+    assert watch.silent_for() == lifecycle.MAX_UNWATCHED_S + 5.0
+    # Whatever lands in the file (here a float stamp, as the old format held), a change is a beat, never
+    # hours of silence.
+    with open(heartbeat.path, "r+b") as f:
+        f.write(struct.pack("d", 0.9))
+    assert watch.silent_for() == 0.0
 
 
 # ---------------------------------------------------------------- keys and capacity

@@ -57,6 +57,10 @@ class Outcome:
     max_running: int = 0
     outputs: dict[str, list[int]] = field(default_factory=dict)  # request id -> its token ids
     report_every: float = 0.0  # seconds between progress lines on stderr (0: none)
+    # Per step kind ("decode": every chunk feeds one sampled token; "mixed": a prefill chunk in it): how
+    # many, and the wall time between a step's result and the one before it (its share of the run).
+    kinds: dict[str, list[float]] = field(default_factory=dict)
+    profile: StepProfiler | None = None
     started: float = field(default_factory=time.perf_counter)
     last_report: float = field(default_factory=time.perf_counter)
 
@@ -77,6 +81,14 @@ class Outcome:
             self.outputs.setdefault(delta.rid, []).extend(delta.token_ids)
             self.finished += delta.finish_reason is not None
 
+    def timed(self, kind: str, started: float) -> float:
+        """A step of `kind` ended now; returns now (the next step's start)."""
+        now = time.perf_counter()
+        count_and_seconds = self.kinds.setdefault(kind, [0, 0.0])
+        count_and_seconds[0] += 1
+        count_and_seconds[1] += now - started
+        return now
+
     def note(self, scheduler: Scheduler) -> None:
         """After each processed step: the concurrency reached, and now and then a progress line (a run
         cut by its time limit still tells how far it got)."""
@@ -89,6 +101,56 @@ class Outcome:
                   f"tokens ({self.output_tokens / elapsed:.0f}/s), {len(scheduler.running)} running, "
                   f"{len(scheduler.waiting)} waiting, {scheduler.num_preemptions} preemptions",
                   file=sys.stderr, flush=True)  # fmt: skip
+
+
+def step_kind(plan: p.StepPlan) -> str:
+    return "mixed" if any(chunk.token_ids for chunk in plan.chunks) else "decode"
+
+
+class StepProfiler:
+    """torch.profiler over steps [first, first + count) of the run: the kernels' GPU time by name and the
+    GPU's busy share of the window's wall time (the rest is the GPU waiting on the host)."""
+
+    def __init__(self, first: int, count: int) -> None:
+        self.first, self.count = first, count
+        self.report: dict[str, Any] = {}
+        self._profiler: Any = None
+        self._started = 0.0
+
+    def at_step(self, step: int) -> None:
+        if step == self.first:
+            from torch.profiler import ProfilerActivity, profile
+
+            cuda = [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+            self._profiler = profile(activities=[ProfilerActivity.CPU, *cuda])
+            self._profiler.start()
+            self._started = time.perf_counter()
+        elif step == self.first + self.count and self._profiler is not None:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - self._started
+            self._profiler.stop()
+            self._summarise(wall)
+            self._profiler = None
+
+    def _summarise(self, wall: float) -> None:
+        kernels = [e for e in self._profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        by_name: dict[str, list[float]] = {}
+        for event in kernels:
+            entry = by_name.setdefault(event.name[:90], [0, 0.0])
+            entry[0] += 1
+            entry[1] += event.device_time / 1e3  # us -> ms
+        busy_ms = sum(ms for _, ms in by_name.values())
+        top = sorted(by_name.items(), key=lambda item: -item[1][1])[:20]
+        self.report = {
+            "steps": self.count, "wall_ms": wall * 1e3, "gpu_busy_ms": busy_ms,
+            "gpu_busy_share": busy_ms / (wall * 1e3),
+            "kernels": [{"name": name, "calls": calls, "ms": ms, "share": ms / busy_ms} for name, (calls, ms) in top],
+        }
+        print(f"profile of steps {self.first}..{self.first + self.count - 1}: wall {wall * 1e3:.1f} ms, GPU busy "
+              f"{busy_ms:.1f} ms ({busy_ms / (wall * 1e3):.0%})", file=sys.stderr)
+        for name, (calls, ms) in top:
+            print(f"  {ms:9.2f} ms {ms / busy_ms:6.1%} {calls:6d}x  {name}", file=sys.stderr)
 
 
 def make_requests(args: argparse.Namespace, vocab_size: int) -> list[p.TokenizedRequest]:
@@ -105,10 +167,14 @@ def make_requests(args: argparse.Namespace, vocab_size: int) -> list[p.Tokenized
 
 def drive_sequential(scheduler: Scheduler, runner: Any, outcome: Outcome) -> None:
     """Each step start to end: plan, execute (tokens back on the host), process the result."""
+    started = time.perf_counter()
     while scheduler.has_work():
         plan = _next_plan(scheduler)
         outcome.steps += 1
+        if outcome.profile is not None:
+            outcome.profile.at_step(outcome.steps)
         outcome.take(scheduler.process_result(runner.execute(plan)))
+        started = outcome.timed(step_kind(plan), started)
         outcome.note(scheduler)
 
 
@@ -117,20 +183,26 @@ def drive_overlapped(scheduler: Scheduler, runner: Any, outcome: Outcome) -> Non
     MAX_INFLIGHT_STEPS are out, then process the oldest result) around the worker's StepPipeline
     (launch a plan, then finish the step before it), with a list in place of the sockets."""
     results: deque[p.StepResult] = deque()
+    kinds: deque[str] = deque()  # of the steps launched and not yet processed, oldest first
     pipeline = StepPipeline(runner, results.append)
+    started = time.perf_counter()
     while scheduler.has_work() or scheduler.num_inflight_steps:
         while scheduler.num_inflight_steps < MAX_INFLIGHT_STEPS:
             plan = scheduler.schedule()
             if plan is None:
                 break
-            pipeline.launch(plan)  # finishes the step before it: its result lands in `results`
             outcome.steps += 1
+            if outcome.profile is not None:
+                outcome.profile.at_step(outcome.steps)
+            pipeline.launch(plan)  # finishes the step before it: its result lands in `results`
+            kinds.append(step_kind(plan))
         if not results:
             if pipeline.inflight is None:
                 raise RuntimeError(_STALLED)
             pipeline.complete()  # nothing more to plan until the step in flight is back
         while results:
             outcome.take(scheduler.process_result(results.popleft()))
+            started = outcome.timed(kinds.popleft(), started)
         outcome.note(scheduler)
 
 
@@ -170,6 +242,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     overlap = not args.no_overlap
     sync(device)
     outcome = Outcome(report_every=args.progress_every)
+    if args.profile_steps:
+        first, count = (int(x) for x in args.profile_steps.split(":"))
+        outcome.profile = StepProfiler(first, count)
     t0 = time.perf_counter()
     with torch.inference_mode():  # as the worker process runs its steps
         DRIVERS[overlap](scheduler, runner, outcome)
@@ -201,6 +276,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "total_tokens_per_s": (outcome.output_tokens + args.num_requests * args.input_len) / elapsed,
         "requests_per_s": outcome.finished / elapsed,
         "output_sha256": outcome.digest(),
+        "step_kinds": {kind: {"steps": n, "seconds": sec, "mean_ms": sec * 1e3 / n}
+                       for kind, (n, sec) in outcome.kinds.items()},
+        **({"profile": outcome.profile.report} if outcome.profile is not None else {}),
     }
 
 
@@ -219,6 +297,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--no-overlap",
         action="store_true",
         help="run each step start to end (no step in flight while planning)",
+    )
+    parser.add_argument(
+        "--profile-steps",
+        default="",
+        help="FIRST:COUNT: profile steps FIRST.. FIRST+COUNT-1 with torch.profiler (CUDA): GPU time per "
+        "kernel and the GPU's busy share of that window",
     )
     parser.add_argument(
         "--progress-every",

@@ -14,6 +14,7 @@
 #                            ~110 s the first time for flashinfer's FP8-KV kernels (JIT; then cached)
 #   offline_no_overlap       the offline stage without step overlap (compare with offline): ~30 s
 #   offline_1000             1000 requests of 1000 in / 1000 out, flashinfer, bf16: ~200 s
+#   offline_1000_g512        offline_1000 with decode graphs captured up to 512 (384 running: no eager decode)
 #   offline_1000_fp8         the same with FP8 weights: ~170 s
 #   offline_1000_fp8kv       the same with FP8 weights and an FP8 KV cache: ~150 s (run kv_pool before it,
 #                            or carry a cache that has the FP8-KV kernels: warm_flashinfer builds bf16 only)
@@ -32,7 +33,7 @@ export PYTHONUNBUFFERED=1
 MODEL=configs/models/llama-3.1-8b
 STAGES=${*:-roofline latency_triton tests latency_flashinfer latency_b32 offline hf tests_8b}
 KNOWN=" roofline latency_triton tests latency_flashinfer latency_b32 offline offline_no_overlap latency_fp8 kv_pool \
-offline_1000 offline_1000_fp8 offline_1000_fp8kv hf tests_8b idle serving tests_tp latency_tp serving_dp tests_fp8kv gemv "
+offline_1000 offline_1000_g512 offline_1000_fp8 offline_1000_fp8kv hf tests_8b idle serving tests_tp latency_tp serving_dp tests_fp8kv gemv "
 for s in $STAGES; do  # every name checked before anything runs
   [[ $KNOWN == *" $s "* ]] || { echo "unknown stage $s; known:$KNOWN"; exit 2; }
 done
@@ -99,7 +100,7 @@ run_offline() {  # run_offline NAME TIMEOUT [flags]: bench_offline on the model,
 run_offline_1000() {  # run_offline_1000 NAME MAX_NUM_SEQS TIMEOUT [flags]
   local name=$1 seqs=$2 limit=$3; shift 3
   run_offline "$name" "$limit" --num-requests 1000 --input-len 1000 --output-len 1000 --max-num-seqs "$seqs" \
-    --chunked-prefill-size 8192 "$@"
+    --chunked-prefill-size 8192 --profile-steps "${PROFILE_STEPS:-1500:12}" "$@"
 }
 
 for s in $STAGES; do
@@ -123,6 +124,8 @@ for s in $STAGES; do
     # The 1000-request stages do not wait for the background warm-up: their own start-up builds what
     # they need (flashinfer locks its JIT modules, so the two share one compile).
     offline_1000) fits offline_1000 280 && run_offline_1000 offline_1000 384 360 ;;
+    offline_1000_g512) fits offline_1000_g512 280 && run_offline_1000 offline_1000_g512 384 360 \
+      --max-cudagraph-capture-size 512 ;;
     offline_1000_fp8) wait $WARM; fits offline_1000_fp8 170 && run_offline_1000 offline_1000_fp8 384 330 --quantization fp8 ;;
     offline_1000_fp8kv) fits offline_1000_fp8kv 250 && run_offline_1000 offline_1000_fp8kv 512 330 \
       --quantization fp8 --kv-cache-dtype fp8_e4m3 ;;

@@ -41,7 +41,7 @@ def args_for(model_dir: Path, *extra: str):
 
 
 def test_run_gives_the_same_tokens_with_and_without_overlap(model_dir: Path) -> None:
-    overlapped = bench_offline.run(args_for(model_dir))
+    overlapped = bench_offline.run(args_for(model_dir, "--profile-steps", "3:4"))
     sequential = bench_offline.run(args_for(model_dir, "--no-overlap"))
     assert (overlapped["overlap"], sequential["overlap"]) == (True, False)
     for result in (overlapped, sequential):
@@ -50,6 +50,13 @@ def test_run_gives_the_same_tokens_with_and_without_overlap(model_dir: Path) -> 
         assert result["preemptions"] > 0  # the scenario covers recompute after preemption
         assert result["kv_pool_tokens"] == 144
     assert overlapped["output_sha256"] == sequential["output_sha256"]
+    for result in (overlapped, sequential):  # every step is timed under its kind
+        kinds = result["step_kinds"]
+        assert set(kinds) == {"decode", "mixed"}
+        assert sum(kind["steps"] for kind in kinds.values()) == result["steps"]
+        assert 0 < sum(kind["seconds"] for kind in kinds.values()) <= result["elapsed_s"] * 1.01
+    profile = overlapped["profile"]  # on the CPU there are no kernels: the window itself is what is checked
+    assert profile["steps"] == 4 and profile["wall_ms"] > 0 and profile["kernels"] == []
 
 
 def greedy_reference(model: Any, prompt: list[int], n: int) -> list[int]:

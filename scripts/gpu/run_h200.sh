@@ -18,6 +18,8 @@
 #   offline_1000_fp8         the same with FP8 weights: ~170 s
 #   offline_1000_fp8kv       the same with FP8 weights and an FP8 KV cache: ~150 s (run kv_pool before it,
 #                            or carry a cache that has the FP8-KV kernels: warm_flashinfer builds bf16 only)
+#   attn                     decode attention alone per backend (flashinfer CUDA-core and tensor-core, triton),
+#                            bf16 and FP8 KV, batch 1 to 384: time and KV read rate vs the copy bandwidth: ~90 s
 #   gemv                     decode-sized FP8-weight GEMV vs bf16 linear on the 8B shapes: ~40 s
 #   tests_fp8kv              GPU tests of the FP8 KV backends, flashinfer sampling and FP8 GEMMs: ~150 s
 #   tests_tp latency_tp      two GPUs (nvidia-h200-x2): TP=2 GPU tests; batch-1 decode at TP=1 and TP=2
@@ -33,19 +35,22 @@ export PYTHONUNBUFFERED=1
 MODEL=configs/models/llama-3.1-8b
 STAGES=${*:-roofline latency_triton tests latency_flashinfer latency_b32 offline hf tests_8b}
 KNOWN=" roofline latency_triton tests latency_flashinfer latency_b32 offline offline_no_overlap latency_fp8 kv_pool \
-offline_1000 offline_1000_g512 offline_1000_fp8 offline_1000_fp8kv hf tests_8b idle serving tests_tp latency_tp serving_dp tests_fp8kv gemv "
+offline_1000 offline_1000_g512 offline_1000_fp8 offline_1000_fp8kv hf tests_8b idle serving tests_tp latency_tp serving_dp tests_fp8kv gemv attn "
 for s in $STAGES; do  # every name checked before anything runs
   [[ $KNOWN == *" $s "* ]] || { echo "unknown stage $s; known:$KNOWN"; exit 2; }
 done
 
 # Once per machine (a lock: parallel instances share /tmp/site).
 ( flock 9; [ -e /tmp/site/.installed ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-  --upgrade --target /tmp/site .whl/*.whl && touch /tmp/site/.installed; } ) 9>/tmp/site.lock \
+  --upgrade --target /tmp/site .whl/*.whl \
+  && find /tmp/site -exec touch -h -d 2000-01-01 {} + && touch /tmp/site/.installed; } ) 9>/tmp/site.lock \
   || { echo "wheel install failed"; exit 1; }
 mkdir -p /tmp/tsk && ln -sfn "$PWD/kernels" /tmp/tsk/tokenspeed_kernels
 export PYTHONPATH=/tmp/site:/tmp/tsk:$PWD
 export FLASHINFER_WORKSPACE_BASE=$PWD/.fi_cache
 mkdir -p "$FLASHINFER_WORKSPACE_BASE"
+# flashinfer's JIT runs ninja, which rebuilds a kernel whose inputs are newer than it: the headers pip
+# just wrote are, so they get an old date above, or a carried cache would be compiled again anyway.
 # The cache may travel packed (carry .fi_cache.tar.gz: the unpacked one outgrows a call's 64 MiB).
 ( flock 9; [ -f .fi_cache.tar.gz ] && [ -z "$(ls -A "$FLASHINFER_WORKSPACE_BASE")" ] \
   && tar xzf .fi_cache.tar.gz -C "$FLASHINFER_WORKSPACE_BASE" ) 9>/tmp/fi_cache.lock
@@ -135,6 +140,7 @@ for s in $STAGES; do
     serving) stage serving 200 bash scripts/gpu/serve_and_bench.sh "$RUN" serving ;;
     # Two GPUs (nvidia-h200-x2): TP=2 parity tests, batch-1 decode TP=1 vs TP=2, and the appliance's
     # throughput with one replica vs two (--data-parallel-size 2) at twice the concurrency.
+    attn) wait $WARM; stage attn 200 python3 scripts/gpu/bench_decode_attention.py --json "$RUN/attn.json" ;;
     gemv) stage gemv 120 python3 scripts/gpu/bench_fp8_gemv.py --json "$RUN/gemv.json" ;;
     tests_fp8kv) wait $WARM; stage tests_fp8kv 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_kv_backends.py \
       tests/gpu/test_flashinfer_sampling.py tests/gpu/test_fp8_gpu.py ;;

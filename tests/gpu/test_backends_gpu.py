@@ -167,6 +167,41 @@ def test_kernels_on_cuda_match_references() -> None:
     torch.testing.assert_close(kr, ref_k, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.skipif(not _has_flashinfer(), reason="no flashinfer")
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("tensor_cores", [False, True])
+def test_flashinfer_decode_kernels_match_the_torch_backend(tensor_cores: bool, kv_dtype: torch.dtype) -> None:
+    """Both of flashinfer's decode paths (CUDA-core; tensor-core, the default from 4 query heads per KV
+    head), eager and captured in a CUDA graph, on a 16-bit and an FP8 cache with scales."""
+    from app.worker.attention import AttentionSpec, build_attention_batch
+    from app.worker.attention.flashinfer_backend import FlashInferAttentionBackend
+    from app.worker.attention.torch_backend import TorchAttentionBackend
+    from app.worker.kv_cache import KVCache, KVCacheSpec
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    cache = KVCache(KVCacheSpec(1, 8, 128, kv_dtype), 64, 16, CUDA, k_scales=[0.5], v_scales=[2.0])
+    cache.k[0].copy_(torch.randn(cache.k[0].shape, device=CUDA, generator=gen).to(kv_dtype))
+    cache.v[0].copy_(torch.randn(cache.v[0].shape, device=CUDA, generator=gen).to(kv_dtype))
+    spec = AttentionSpec(32, 8, 128, 128**-0.5, q_dtype=torch.bfloat16)
+    tables = torch.randperm(63, device=CUDA, generator=gen)[:60].int().view(3, 20)
+    batch = build_attention_batch(tables, [1, 1, 1], [300, 17, 129], 16)
+    q = torch.randn(3, 32, 128, device=CUDA, dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(3, 8, 128, device=CUDA, dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    reference = TorchAttentionBackend(cache, spec)
+    expected = reference.forward(0, q, k, v, reference.plan(batch)).float()
+    backend = FlashInferAttentionBackend(cache, spec, decode_tensor_cores=tensor_cores)
+    assert backend.decode_tensor_cores == tensor_cores
+    eager = backend.forward(0, q, k, v, backend.plan(batch)).float()
+    meta = backend.capture_metadata(batch)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = backend.forward(0, q, k, v, meta)
+    graph.replay()
+    for out in (eager, captured.float()):
+        assert float((out - expected).norm() / expected.norm()) < 2e-2
+    assert FlashInferAttentionBackend(cache, spec).decode_tensor_cores  # 32 / 8 = 4 heads per KV head
+
+
 @pytest.fixture(scope="module")
 def llama_8b(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     from transformers import AutoConfig, AutoModelForCausalLM

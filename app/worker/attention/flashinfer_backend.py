@@ -44,6 +44,10 @@ INT_WORKSPACE_BYTES = 8 << 20
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)  # query (model) dtypes
 SUPPORTED_HEAD_DIMS = (64, 128, 256)  # the head sizes flashinfer's paged kernels are built for
 FP8_KV_DTYPE = torch.float8_e4m3fn
+# Query heads per KV head from which decode runs on tensor cores (as vLLM and SGLang choose): the
+# CUDA-core decode kernel reads a long batch's KV well below the copy bandwidth (scripts/gpu/
+# bench_decode_attention.py measures both).
+TENSOR_CORE_DECODE_MIN_GROUP = 4
 
 
 def import_flashinfer() -> Any:
@@ -99,7 +103,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     supports_cuda_graphs = True
     supports_fp8_kv = True  # reads an FP8 cache with its per-layer scales (see the module docstring)
 
-    def __init__(self, kv_cache: KVCache, spec: AttentionSpec) -> None:
+    def __init__(self, kv_cache: KVCache, spec: AttentionSpec, decode_tensor_cores: bool | None = None) -> None:
         super().__init__(kv_cache, spec)
         self.device = kv_cache.k[0].device
         if self.device.type != "cuda":
@@ -118,12 +122,24 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._flatten = flatten_block_tables
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.int_workspace = torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        self.decode_wrapper = self._share(self.fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD"))
-        prefill_kernels = "fa2" if self.kv_dtype == FP8_KV_DTYPE else "auto"  # see the module docstring
+        self.prefill_kernels = "fa2" if self.kv_dtype == FP8_KV_DTYPE else "auto"  # see the module docstring
+        self.decode_tensor_cores = (
+            decode_tensor_cores if decode_tensor_cores is not None
+            else spec.num_heads // spec.num_kv_heads >= TENSOR_CORE_DECODE_MIN_GROUP
+        )  # fmt: skip
+        self.decode_wrapper = self._share(self._decode_wrapper())
         self.prefill_wrapper = self._share(
-            self.fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=prefill_kernels)
+            self.fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=self.prefill_kernels)
         )
         self._graph_indices: torch.Tensor | None = None
+
+    def _decode_wrapper(self, **graph_buffers: Any) -> Any:
+        """A batch-decode wrapper: the tensor-core kernels (flashinfer's prefill kernels with one query
+        row per sequence, the same kernels as prefill_wrapper) or the CUDA-core decode kernel."""
+        tensor_cores = {"use_tensor_cores": True, "backend": self.prefill_kernels} if self.decode_tensor_cores else {}
+        return self.fi.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=bool(graph_buffers), **graph_buffers, **tensor_cores
+        )
 
     def _share(self, wrapper: Any) -> Any:
         wrapper.reset_workspace_buffer(self.workspace, self.int_workspace)
@@ -172,10 +188,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             # Sized for the first (largest) capture: every later, smaller size fits in it.
             self._graph_indices = torch.zeros(size * width, dtype=torch.int32, device=self.device)
         wrapper = self._share(
-            self.fi.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace,
-                "NHD",
-                use_cuda_graph=True,
+            self._decode_wrapper(
                 paged_kv_indptr_buffer=torch.zeros(size + 1, dtype=torch.int32, device=self.device),
                 paged_kv_indices_buffer=self._graph_indices,
                 paged_kv_last_page_len_buffer=torch.zeros(size, dtype=torch.int32, device=self.device),

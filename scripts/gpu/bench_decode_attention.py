@@ -1,0 +1,118 @@
+#!/usr/bin/env python3
+"""Decode attention alone on the GPU: one layer's paged-KV decode (every sequence feeds one token) for
+the Llama-3.1-8B head layout (32 query heads, 8 KV heads, head_dim 128, 16-token blocks scattered over
+the pool), through each backend as the model calls it (`plan` once, then `forward`, which also writes
+the new token's K/V). Reported per case: the median time of a call (CUDA events, layers alternated so
+nothing stays in L2), the KV bytes it must read and the rate that makes, against the copy bandwidth
+measured in the same run. Before timing, each case's output is checked against the torch backend's.
+
+  python3 scripts/gpu/bench_decode_attention.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+
+from app.worker.attention import AttentionSpec, build_attention_batch  # noqa: E402
+from app.worker.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from app.worker.kv_cache import KVCache, KVCacheSpec  # noqa: E402
+from scripts.bench_latency import copy_bandwidth  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+LAYERS = 2  # alternated between calls
+CASES = [(1, 512), (64, 1500), (256, 1500), (384, 1500), (384, 1000), (128, 4000)]  # (batch, context)
+
+
+def make_backend(name: str, cache: KVCache, spec: AttentionSpec) -> Any:
+    if name.startswith("flashinfer"):
+        from app.worker.attention.flashinfer_backend import FlashInferAttentionBackend
+
+        return FlashInferAttentionBackend(cache, spec, decode_tensor_cores=name.endswith("tensor_cores"))
+    from app.worker.attention.triton_backend import TritonAttentionBackend
+
+    return TritonAttentionBackend(cache, spec)
+
+
+def run_case(backend_name: str, kv_dtype: torch.dtype, batch: int, context: int, gen: torch.Generator,
+             reps: int) -> dict[str, Any]:
+    device = torch.device("cuda")
+    per_seq = math.ceil(context / BLOCK)
+    num_blocks = batch * per_seq + 1
+    cache = KVCache(KVCacheSpec(LAYERS, KV_HEADS, HEAD_DIM, kv_dtype), num_blocks, BLOCK, device)
+    for layer in range(LAYERS):  # random contents, written as the cache's dtype
+        cache.k[layer].copy_(torch.randn(cache.k[layer].shape, device=device).to(kv_dtype))
+        cache.v[layer].copy_(torch.randn(cache.v[layer].shape, device=device).to(kv_dtype))
+    order = torch.randperm(num_blocks - 1, generator=gen)[: batch * per_seq].to(device, torch.int32)
+    tables = order.view(batch, per_seq)
+    spec = AttentionSpec(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5, q_dtype=torch.bfloat16)
+    step = build_attention_batch(tables, [1] * batch, [context] * batch, BLOCK)
+    q = torch.randn(batch, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    k = torch.randn(batch, KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    backend = make_backend(backend_name, cache, spec)
+    meta = backend.plan(step)
+    out = backend.forward(0, q, k, v, meta)
+    reference = TorchAttentionBackend(cache, spec)
+    expected = reference.forward(0, q, k, v, reference.plan(step))
+    error = ((out.float() - expected.float()).norm() / expected.float().norm()).item()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        starts[i].record()
+        backend.forward(i % LAYERS, q, k, v, meta)
+        ends[i].record()
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))[reps // 5:]  # drop warm-up
+    ms = times[len(times) // 2]
+    kv_bytes = batch * context * KV_HEADS * HEAD_DIM * 2 * cache.k[0].element_size()
+    del cache, backend, reference
+    torch.cuda.empty_cache()
+    return {"backend": backend_name, "kv_dtype": str(kv_dtype).removeprefix("torch."), "batch": batch,
+            "context": context, "ms": ms, "kv_gb": kv_bytes / 1e9, "tb_s": kv_bytes / ms / 1e9,
+            "rel_error": error}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", default="")
+    parser.add_argument("--reps", type=int, default=40)
+    parser.add_argument("--backends", default="flashinfer,flashinfer_tensor_cores,triton")
+    args = parser.parse_args()
+    bandwidth = copy_bandwidth(torch.device("cuda"))
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        for batch, context in CASES:
+            for name in args.backends.split(","):
+                try:
+                    row = run_case(name, kv_dtype, batch, context, gen, args.reps)
+                except Exception as exc:  # one backend failing a case must not hide the others
+                    row = {"backend": name, "kv_dtype": str(kv_dtype), "batch": batch, "context": context,
+                           "error": f"{type(exc).__name__}: {str(exc)[:200]}"}  # fmt: skip
+                row["of_copy_bandwidth"] = row.get("tb_s", 0.0) * 1e12 / bandwidth
+                rows.append(row)
+                print(json.dumps(row), file=sys.stderr, flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"copy_bandwidth": bandwidth, "rows": rows}, indent=1))
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    print("| KV | batch x context | backend | ms | KV GB | TB/s | of copy | rel. error vs torch |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['kv_dtype']} | {r['batch']} x {r['context']} | {r['backend']} | failed: {r['error']} |")
+            continue
+        print(f"| {r['kv_dtype']} | {r['batch']} x {r['context']} | {r['backend']} | {r['ms']:.3f} | "
+              f"{r['kv_gb']:.2f} | {r['tb_s']:.2f} | {r['of_copy_bandwidth']:.2f} | {r['rel_error']:.1e} |")
+
+
+if __name__ == "__main__":
+    main()

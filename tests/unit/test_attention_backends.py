@@ -49,7 +49,8 @@ def test_flashinfer_backend_refuses_the_cpu_and_float32() -> None:
 
 def test_capture_sizes() -> None:
     assert capture_sizes(None, None, 160) == [1, 2, 4, 8, *range(16, 161, 8)]
-    assert capture_sizes(None, None, 1000)[-1] == 256
+    assert capture_sizes(None, None, 1000) == [1, 2, 4, 8, *range(16, 257, 8), *range(272, 513, 16)]
+    assert capture_sizes(None, None, 300) == [1, 2, 4, 8, *range(16, 257, 8), 272, 288, 300]
     assert capture_sizes(None, 20, 160) == [1, 2, 4, 8, 16, 20]
     assert capture_sizes(None, None, 3) == [1, 2, 3]
     assert capture_sizes([8, 1, 4, 4, 64], None, 32) == [1, 4, 8]  # deduplicated, capped by max_num_seqs

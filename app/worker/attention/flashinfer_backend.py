@@ -12,13 +12,20 @@ indptr / last_page_len buffers and one page-index buffer shared by all sizes (on
 time); prepare_replay() re-plans it before every replay. The workspaces are shared by every wrapper
 for the same reason.
 
+Decode steps run the kernel that reads the cache fastest (scripts/gpu/bench_decode_attention.py, one
+H200, 384 sequences of 1500 tokens, share of the copy bandwidth):
+- a 16-bit cache: our Triton split-K decode kernel (the triton backend's decode path, 0.99), ahead
+  of flashinfer's CUDA-core decode kernel (0.69) and its tensor-core path on FA3 (0.21);
+- an FP8 cache: flashinfer's tensor-core path, i.e. its FA2 prefill kernels with one query row per
+  sequence (0.56), ahead of Triton (0.46) and the CUDA-core kernel (0.28).
+`decode_kernel` ("triton", "tensor_cores", "cuda_cores") overrides the choice.
+
 FP8 KV cache (float8_e4m3fn codes, per-layer scales): the wrappers are planned with
 kv_data_type=float8_e4m3fn and the query dtype (AttentionSpec.q_dtype, which must then be set: the
 cache no longer tells it), and run() gets the layer's k_scale / v_scale: flashinfer folds k_scale
 into the softmax scale and multiplies the output by v_scale (a torch op after the kernel, captured
-with it). Decode keeps the CUDA-core kernel, which reads an FP8 cache with 16-bit queries; prefill
-pins flashinfer's FA2 kernels: "auto" picks FA3 on Hopper, whose kernels take no mixed query / KV
-dtypes (flashinfer 0.6.1).
+with it). Prefill pins flashinfer's FA2 kernels: "auto" picks FA3 on Hopper, whose kernels take no
+mixed query / KV dtypes (flashinfer 0.6.1).
 
 Works with flashinfer-python 0.6.1 and 0.7.x (same wrapper constructors, plan and run keywords).
 """
@@ -37,6 +44,7 @@ from app.worker.attention.base import (
     AttentionSpec,
     build_attention_batch,
 )
+from app.worker.attention.triton_backend import TritonAttentionBackend, TritonAttentionMetadata
 from app.worker.kv_cache import KVCache, KVCacheSpec
 
 WORKSPACE_BYTES = 128 << 20
@@ -44,10 +52,11 @@ INT_WORKSPACE_BYTES = 8 << 20
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)  # query (model) dtypes
 SUPPORTED_HEAD_DIMS = (64, 128, 256)  # the head sizes flashinfer's paged kernels are built for
 FP8_KV_DTYPE = torch.float8_e4m3fn
-# Query heads per KV head from which decode runs on tensor cores (as vLLM and SGLang choose): the
-# CUDA-core decode kernel reads a long batch's KV well below the copy bandwidth (scripts/gpu/
-# bench_decode_attention.py measures both).
-TENSOR_CORE_DECODE_MIN_GROUP = 4
+DECODE_KERNELS = ("triton", "tensor_cores", "cuda_cores")  # see the module docstring
+
+
+def default_decode_kernel(kv_dtype: torch.dtype) -> str:
+    return "tensor_cores" if kv_dtype == FP8_KV_DTYPE else "triton"
 
 
 def import_flashinfer() -> Any:
@@ -103,7 +112,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     supports_cuda_graphs = True
     supports_fp8_kv = True  # reads an FP8 cache with its per-layer scales (see the module docstring)
 
-    def __init__(self, kv_cache: KVCache, spec: AttentionSpec, decode_tensor_cores: bool | None = None) -> None:
+    def __init__(self, kv_cache: KVCache, spec: AttentionSpec, decode_kernel: str | None = None) -> None:
         super().__init__(kv_cache, spec)
         self.device = kv_cache.k[0].device
         if self.device.type != "cuda":
@@ -123,20 +132,21 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.int_workspace = torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.prefill_kernels = "fa2" if self.kv_dtype == FP8_KV_DTYPE else "auto"  # see the module docstring
-        self.decode_tensor_cores = (
-            decode_tensor_cores if decode_tensor_cores is not None
-            else spec.num_heads // spec.num_kv_heads >= TENSOR_CORE_DECODE_MIN_GROUP
-        )  # fmt: skip
-        self.decode_wrapper = self._share(self._decode_wrapper())
+        self.decode_kernel = decode_kernel or default_decode_kernel(self.kv_dtype)
+        if self.decode_kernel not in DECODE_KERNELS:
+            raise ValueError(f"decode kernel {self.decode_kernel!r} is not one of {DECODE_KERNELS}")
+        # Decode steps on the Triton kernel are planned, captured and run by a triton backend on this cache.
+        self.triton = TritonAttentionBackend(kv_cache, spec) if self.decode_kernel == "triton" else None
+        self.decode_wrapper = None if self.triton is not None else self._share(self._decode_wrapper())
         self.prefill_wrapper = self._share(
             self.fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=self.prefill_kernels)
         )
         self._graph_indices: torch.Tensor | None = None
 
     def _decode_wrapper(self, **graph_buffers: Any) -> Any:
-        """A batch-decode wrapper: the tensor-core kernels (flashinfer's prefill kernels with one query
-        row per sequence, the same kernels as prefill_wrapper) or the CUDA-core decode kernel."""
-        tensor_cores = {"use_tensor_cores": True, "backend": self.prefill_kernels} if self.decode_tensor_cores else {}
+        """A batch-decode wrapper: on tensor cores (flashinfer's FA2 prefill kernels, one query row per
+        sequence) or the CUDA-core decode kernel."""
+        tensor_cores = {"use_tensor_cores": True, "backend": "fa2"} if self.decode_kernel == "tensor_cores" else {}
         return self.fi.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_cuda_graph=bool(graph_buffers), **graph_buffers, **tensor_cores
         )
@@ -166,9 +176,11 @@ class FlashInferAttentionBackend(AttentionBackend):
             q_data_type=self.dtype, kv_data_type=self.kv_dtype, sm_scale=s.scale,
         )  # fmt: skip
 
-    def plan(self, batch: AttentionBatch) -> FlashInferMetadata:
+    def plan(self, batch: AttentionBatch) -> AttentionMetadata:
         starts = batch.query_start_loc
         if all(hi - lo == 1 for lo, hi in zip(starts, starts[1:], strict=False)):
+            if self.triton is not None:
+                return self.triton.plan(batch)
             self._plan_decode(self.decode_wrapper, batch)
             return FlashInferMetadata(backend=self, batch=batch, wrapper=self.decode_wrapper)
         indptr, indices, last = self._pages(batch)
@@ -182,7 +194,9 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     # ------------------------------------------------------------------ CUDA graphs
 
-    def capture_metadata(self, batch: AttentionBatch) -> FlashInferMetadata:
+    def capture_metadata(self, batch: AttentionBatch) -> AttentionMetadata:
+        if self.triton is not None:
+            return self.triton.capture_metadata(batch)
         size, width = batch.num_seqs, batch.block_tables.shape[1]
         if self._graph_indices is None or self._graph_indices.numel() < size * width:
             # Sized for the first (largest) capture: every later, smaller size fits in it.
@@ -199,6 +213,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         return meta
 
     def prepare_replay(self, meta: AttentionMetadata, batch: AttentionBatch) -> None:
+        if isinstance(meta, TritonAttentionMetadata):
+            return  # its kernels read the persistent buffers directly
         assert isinstance(meta, FlashInferMetadata)
         self._plan_decode(meta.wrapper, batch)
 
@@ -207,6 +223,9 @@ class FlashInferAttentionBackend(AttentionBackend):
     def forward(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
+        if isinstance(meta, TritonAttentionMetadata):
+            assert self.triton is not None
+            return self.triton.forward(layer_idx, q, k, v, meta)
         assert isinstance(meta, FlashInferMetadata)
         k_cache, v_cache = self.kv_cache.k[layer_idx], self.kv_cache.v[layer_idx]
         k_scale, v_scale = self.kv_cache.k_scales[layer_idx], self.kv_cache.v_scales[layer_idx]

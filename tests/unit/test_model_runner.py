@@ -354,7 +354,8 @@ def test_pool_arithmetic() -> None:
         finish_pool(100, 16, 100, bpt, "test")
 
 
-def test_unknown_backends_are_refused(llama_dir: Path) -> None:
+def test_unknown_backends_are_refused(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # triton runs on the CPU only under the interpreter
     with pytest.raises(ValueError, match="attention backend"):
         ModelRunner(make_settings(llama_dir).model_copy(update={"attention_backend": "triton"}), CPU)
 

@@ -172,14 +172,16 @@ def test_kernels_on_cuda_match_references() -> None:
 @pytest.mark.parametrize("decode_kernel", ["triton", "tensor_cores", "cuda_cores"])
 def test_flashinfer_decode_kernels_match_the_torch_backend(decode_kernel: str, kv_dtype: torch.dtype) -> None:
     """Each decode kernel the flashinfer backend can run, eager and captured in a CUDA graph, on a 16-bit
-    and an FP8 cache with scales."""
+    and an FP8 cache with scales; and a mixed step (decodes first, then prefill chunks), whose decode
+    rows run that kernel and the rest the prefill wrapper."""
     from app.worker.attention import AttentionSpec, build_attention_batch
     from app.worker.attention.flashinfer_backend import FlashInferAttentionBackend
     from app.worker.attention.torch_backend import TorchAttentionBackend
     from app.worker.kv_cache import KVCache, KVCacheSpec
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    cache = KVCache(KVCacheSpec(1, 8, 128, kv_dtype), 64, 16, CUDA, k_scales=[0.5], v_scales=[2.0])
+    scales = {"k_scales": [0.5], "v_scales": [2.0]} if kv_dtype == torch.float8_e4m3fn else {}
+    cache = KVCache(KVCacheSpec(1, 8, 128, kv_dtype), 64, 16, CUDA, **scales)
     cache.k[0].copy_(torch.randn(cache.k[0].shape, device=CUDA, generator=gen).to(kv_dtype))
     cache.v[0].copy_(torch.randn(cache.v[0].shape, device=CUDA, generator=gen).to(kv_dtype))
     spec = AttentionSpec(32, 8, 128, 128**-0.5, q_dtype=torch.bfloat16)
@@ -200,6 +202,14 @@ def test_flashinfer_decode_kernels_match_the_torch_backend(decode_kernel: str, k
     graph.replay()
     for out in (eager, captured.float()):
         assert float((out - expected).norm() / expected.norm()) < 2e-2
+    mixed = build_attention_batch(tables, [1, 40, 7], [300, 57, 129], 16)
+    qm = torch.randn(48, 32, 128, device=CUDA, dtype=torch.bfloat16, generator=gen)
+    km, vm = (torch.randn(48, 8, 128, device=CUDA, dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    expected = reference.forward(0, qm, km, vm, reference.plan(mixed)).float()
+    meta = backend.plan(mixed)
+    assert type(meta).__name__ == "MixedMetadata" and meta.decode_tokens == 1
+    out = backend.forward(0, qm, km, vm, meta).float()
+    assert float((out - expected).norm() / expected.norm()) < 2e-2
     default = "tensor_cores" if kv_dtype == torch.float8_e4m3fn else "triton"  # the faster per cache dtype
     assert FlashInferAttentionBackend(cache, spec).decode_kernel == default
 

@@ -79,3 +79,37 @@ def test_stage_fills_rows_and_pads_onto_the_scratch_block() -> None:
     # A smaller step after a larger one: stale rows beyond it are re-padded.
     graphs.stage([1, 2, 0, 1][:3], [3, 3, 3], tables, last)
     assert graphs.block_tables[3, 0] == 9 and graphs.seq_lens[3] == 1 and graphs.input_ids[3] == 0
+
+
+def test_a_batch_split_attends_like_the_whole() -> None:
+    """split_batch's two parts, run one after the other, give the whole batch's output (each row attends
+    over its own context only); leading_single_token_rows counts the decodes a step starts with."""
+    from app.worker.attention import AttentionSpec, build_attention_batch
+    from app.worker.attention.base import leading_single_token_rows, split_batch
+    from app.worker.attention.torch_backend import TorchAttentionBackend
+    from app.worker.kv_cache import KVCache, KVCacheSpec
+
+    gen = torch.Generator().manual_seed(0)
+    spec = AttentionSpec(4, 2, 16, 0.25)
+    tables = torch.randperm(40, generator=gen).int().view(4, 10)
+    query_lens, seq_lens = [1, 1, 9, 1], [30, 12, 20, 7]
+    batch = build_attention_batch(tables, query_lens, seq_lens, 4)
+    assert leading_single_token_rows(batch) == 2
+    assert leading_single_token_rows(build_attention_batch(tables, [1] * 4, seq_lens, 4)) == 4
+    q = torch.randn(12, 4, 16, generator=gen)
+    k, v = torch.randn(12, 2, 16, generator=gen), torch.randn(12, 2, 16, generator=gen)
+    outputs = []
+    for parts in ([batch], split_batch(batch, 2)):
+        cache = KVCache(KVCacheSpec(1, 2, 16, torch.float32), 41, 4, torch.device("cpu"))
+        cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=torch.Generator().manual_seed(1)))
+        cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=torch.Generator().manual_seed(2)))
+        backend, out, start = TorchAttentionBackend(cache, spec), [], 0
+        for part in parts:
+            end = start + part.num_tokens
+            out.append(backend.forward(0, q[start:end], k[start:end], v[start:end], backend.plan(part)))
+            start = end
+        outputs.append(torch.cat(out))
+    head, tail = split_batch(batch, 2)
+    assert (head.query_start_loc, tail.query_start_loc) == ([0, 1, 2], [0, 9, 10])
+    assert tail.seq_lens == [20, 7] and torch.equal(tail.slot_mapping, batch.slot_mapping[2:])
+    torch.testing.assert_close(outputs[1], outputs[0])

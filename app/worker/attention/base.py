@@ -91,6 +91,31 @@ def build_attention_batch(
     )
 
 
+def leading_single_token_rows(batch: AttentionBatch) -> int:
+    """How many sequences at the front of the batch feed one token each (decodes come first in a step)."""
+    starts = batch.query_start_loc
+    for row, (lo, hi) in enumerate(zip(starts, starts[1:], strict=False)):
+        if hi - lo != 1:
+            return row
+    return batch.num_seqs
+
+
+def split_batch(batch: AttentionBatch, rows: int) -> tuple[AttentionBatch, AttentionBatch]:
+    """The first `rows` sequences and the others, as two batches over the same cache."""
+    tokens = batch.query_start_loc[rows]
+
+    def part(seqs: slice, toks: slice, starts: list[int]) -> AttentionBatch:
+        return AttentionBatch(
+            query_start_loc=starts, seq_lens=batch.seq_lens[seqs], seq_lens_tensor=batch.seq_lens_tensor[seqs],
+            block_tables=batch.block_tables[seqs], positions=batch.positions[toks],
+            slot_mapping=batch.slot_mapping[toks], block_size=batch.block_size,
+        )  # fmt: skip
+
+    head = part(slice(None, rows), slice(None, tokens), batch.query_start_loc[: rows + 1])
+    tail = part(slice(rows, None), slice(tokens, None), [s - tokens for s in batch.query_start_loc[rows:]])
+    return head, tail
+
+
 @dataclass
 class AttentionMetadata:
     """A planned step; backends subclass it with what they precompute once for all layers."""

@@ -2,9 +2,10 @@
 [num_blocks, block_size, Hkv, D] K and V tensors passed as a (k, v) tuple.
 
 plan() runs once per step and is shared by all layers: a step whose sequences all feed one token
-plans the batch-decode wrapper, any other step the batch-prefill wrapper with a causal mask
+plans the decode kernel, a step of prefill chunks the batch-prefill wrapper with a causal mask
 (flashinfer aligns it to the end of each context, so a chunk after a cached prefix sees the whole
-prefix). The page list flashinfer reads (CSR indptr/indices/last_page_len) is built from the block
+prefix), and a mixed step both: its leading one-token rows on the decode kernel, the rest on the
+prefill wrapper (MixedMetadata). The page list flashinfer reads (CSR indptr/indices/last_page_len) is built from the block
 tables on the device by a Triton kernel. K/V rows are written by our fused write kernel.
 
 CUDA graphs: each captured decode size gets its own decode wrapper in CUDA-graph mode with fixed
@@ -43,11 +44,15 @@ from app.worker.attention.base import (
     AttentionMetadata,
     AttentionSpec,
     build_attention_batch,
+    leading_single_token_rows,
+    split_batch,
 )
 from app.worker.attention.triton_backend import TritonAttentionBackend, TritonAttentionMetadata
 from app.worker.kv_cache import KVCache, KVCacheSpec
 
-WORKSPACE_BYTES = 128 << 20
+# flashinfer's split-KV scratch grows with the batch: a graph-mode tensor-core decode plan of 512
+# sequences asks for ~170 MB of it. Shared by every wrapper (their runs never overlap).
+WORKSPACE_BYTES = 512 << 20
 INT_WORKSPACE_BYTES = 8 << 20
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)  # query (model) dtypes
 SUPPORTED_HEAD_DIMS = (64, 128, 256)  # the head sizes flashinfer's paged kernels are built for
@@ -107,6 +112,17 @@ class FlashInferMetadata(AttentionMetadata):
     wrapper: Any = None
 
 
+@dataclass
+class MixedMetadata(AttentionMetadata):
+    """A step with decodes and prefill chunks: its leading one-token rows (the decodes: the scheduler
+    puts them first) run the decode kernel, the rest the prefill wrapper. One prefill launch over both
+    would read the decodes' contexts with the prefill kernels, at a fraction of the decode kernel's rate."""
+
+    decode: AttentionMetadata | None = None  # of the first decode_tokens tokens
+    prefill: FlashInferMetadata | None = None
+    decode_tokens: int = 0
+
+
 class FlashInferAttentionBackend(AttentionBackend):
     name = "flashinfer"
     supports_cuda_graphs = True
@@ -131,13 +147,17 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._flatten = flatten_block_tables
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.int_workspace = torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        # The decode wrapper's plan lives beside the prefill wrapper's: a mixed step plans both.
+        self.decode_int_workspace = torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.prefill_kernels = "fa2" if self.kv_dtype == FP8_KV_DTYPE else "auto"  # see the module docstring
         self.decode_kernel = decode_kernel or default_decode_kernel(self.kv_dtype)
         if self.decode_kernel not in DECODE_KERNELS:
             raise ValueError(f"decode kernel {self.decode_kernel!r} is not one of {DECODE_KERNELS}")
         # Decode steps on the Triton kernel are planned, captured and run by a triton backend on this cache.
         self.triton = TritonAttentionBackend(kv_cache, spec) if self.decode_kernel == "triton" else None
-        self.decode_wrapper = None if self.triton is not None else self._share(self._decode_wrapper())
+        self.decode_wrapper = (
+            None if self.triton is not None else self._share(self._decode_wrapper(), self.decode_int_workspace)
+        )
         self.prefill_wrapper = self._share(
             self.fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=self.prefill_kernels)
         )
@@ -151,8 +171,8 @@ class FlashInferAttentionBackend(AttentionBackend):
             self.workspace, "NHD", use_cuda_graph=bool(graph_buffers), **graph_buffers, **tensor_cores
         )
 
-    def _share(self, wrapper: Any) -> Any:
-        wrapper.reset_workspace_buffer(self.workspace, self.int_workspace)
+    def _share(self, wrapper: Any, int_workspace: torch.Tensor | None = None) -> Any:
+        wrapper.reset_workspace_buffer(self.workspace, self.int_workspace if int_workspace is None else int_workspace)
         return wrapper
 
     # ------------------------------------------------------------------ planning
@@ -177,16 +197,26 @@ class FlashInferAttentionBackend(AttentionBackend):
         )  # fmt: skip
 
     def plan(self, batch: AttentionBatch) -> AttentionMetadata:
-        starts = batch.query_start_loc
-        if all(hi - lo == 1 for lo, hi in zip(starts, starts[1:], strict=False)):
-            if self.triton is not None:
-                return self.triton.plan(batch)
-            self._plan_decode(self.decode_wrapper, batch)
-            return FlashInferMetadata(backend=self, batch=batch, wrapper=self.decode_wrapper)
+        decodes = leading_single_token_rows(batch)
+        if decodes == batch.num_seqs:
+            return self._plan_decode_rows(batch)
+        if decodes == 0:
+            return self._plan_prefill(batch)
+        head, tail = split_batch(batch, decodes)
+        return MixedMetadata(backend=self, batch=batch, decode=self._plan_decode_rows(head),
+                             prefill=self._plan_prefill(tail), decode_tokens=decodes)  # fmt: skip
+
+    def _plan_decode_rows(self, batch: AttentionBatch) -> AttentionMetadata:
+        if self.triton is not None:
+            return self.triton.plan(batch)
+        self._plan_decode(self.decode_wrapper, batch)
+        return FlashInferMetadata(backend=self, batch=batch, wrapper=self.decode_wrapper)
+
+    def _plan_prefill(self, batch: AttentionBatch) -> FlashInferMetadata:
         indptr, indices, last = self._pages(batch)
         s = self.spec
         self.prefill_wrapper.plan(
-            torch.tensor(starts, dtype=torch.int32), indptr, indices, last,
+            torch.tensor(batch.query_start_loc, dtype=torch.int32), indptr, indices, last,
             s.num_heads, s.num_kv_heads, s.head_dim, batch.block_size,
             causal=True, sm_scale=s.scale, q_data_type=self.dtype, kv_data_type=self.kv_dtype,
         )  # fmt: skip
@@ -226,6 +256,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         if isinstance(meta, TritonAttentionMetadata):
             assert self.triton is not None
             return self.triton.forward(layer_idx, q, k, v, meta)
+        if isinstance(meta, MixedMetadata):
+            assert meta.decode is not None and meta.prefill is not None
+            n = meta.decode_tokens
+            return torch.cat([self.forward(layer_idx, q[:n], k[:n], v[:n], meta.decode),
+                              self.forward(layer_idx, q[n:], k[n:], v[n:], meta.prefill)])  # fmt: skip
         assert isinstance(meta, FlashInferMetadata)
         k_cache, v_cache = self.kv_cache.k[layer_idx], self.kv_cache.v[layer_idx]
         k_scale, v_scale = self.kv_cache.k_scales[layer_idx], self.kv_cache.v_scales[layer_idx]

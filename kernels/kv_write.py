@@ -6,9 +6,7 @@ k_cache, v_cache [num_blocks, block_size, Hkv, D] contiguous; slot_mapping [T] i
 
 An FP8 cache (torch.float8_e4m3fn) stores round_e4m3(clamp(x / scale, -448, 448)) with the layer's
 k_scale / v_scale: the codes torch's `(x.float() / scale).clamp(-448, 448).to(float8_e4m3fn)` gives.
-The kernel rounds to the e4m3 grid itself (round to nearest even) before the cast, so the cast only
-sees representable values: on the GPU the cast would round the same way, but Triton's interpreter
-(the CPU tests) rounds half up and drops the carry into the exponent.
+The rounding is fp8_quant's (to nearest even, done before the cast).
 """
 
 from __future__ import annotations
@@ -18,32 +16,7 @@ import triton
 import triton.language as tl
 
 from .common import FP8_DTYPE, check_kv_scales, next_power_of_2
-
-FP8_MAX = 448.0  # the largest finite e4m3 value; the cast alone does not saturate on the GPU
-
-
-@triton.jit
-def _round_to_e4m3(x):
-    """x (float32, |x| <= 448) rounded to the nearest e4m3 value, ties to even, as float32.
-
-    Adding and subtracting C = 1.5 * 2^23 * ulp rounds |x| to a multiple of ulp in float32 arithmetic
-    (round to nearest even); ulp is 2^(e - 3) for |x| in [2^e, 2^(e+1)) and 2^-9 (the subnormal step)
-    below 2^-6. The sign is put back afterwards so that -0 stays -0, as torch keeps it.
-    """
-    bits = x.to(tl.int32, bitcast=True)
-    sign = bits & -2147483648  # 0x80000000
-    magnitude_bits = bits & 0x7FFFFFFF
-    exponent = tl.maximum(magnitude_bits >> 23, 121)  # biased; 121 is 2^-6, the smallest normal e4m3
-    magic = (((exponent + 20) << 23) | 0x400000).to(tl.float32, bitcast=True)
-    magnitude = magnitude_bits.to(tl.float32, bitcast=True)
-    rounded = (magnitude + magic) - magic
-    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _quantize_e4m3(x, scale):
-    y = tl.math.div_rn(x.to(tl.float32), scale)  # IEEE division, as torch's x / scale
-    return _round_to_e4m3(tl.minimum(tl.maximum(y, -448.0), 448.0))
+from .fp8_quant import FP8_MAX, _quantize_e4m3
 
 
 @triton.jit

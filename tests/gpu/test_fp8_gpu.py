@@ -52,6 +52,20 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(("m", "k"), [(1, 4096), (300, 14336), (8192, 4096)])
+def test_fused_activation_quantization_gives_the_torch_codes(m: int, k: int, dtype: torch.dtype) -> None:
+    """The W8A8 path's per-token quantization on CUDA (one Triton kernel) equals the torch ops bit for bit."""
+    from tokenspeed_kernels.fp8_quant import quantize_rows as fused
+
+    gen = torch.Generator(device=CUDA).manual_seed(m)
+    x = (torch.randn(m, k, generator=gen, device=CUDA) * torch.logspace(-2, 2, m, device=CUDA).view(m, 1)).to(dtype)
+    codes, scales = fused(x)
+    want_codes, want_scales = quantize_rows(x)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+    assert torch.equal(scales, want_scales)
+
+
 @needs_scaled_mm
 @pytest.mark.parametrize("m", [1, 7, 64, 300])
 @pytest.mark.parametrize("static", [False, True])

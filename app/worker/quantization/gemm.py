@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 from tokenspeed_kernels.fp8_gemv import MAX_M, fp8_gemv
+from tokenspeed_kernels.fp8_quant import quantize_rows as fused_quantize_rows
 
 from app.worker.quantization.fp8 import FP8_DTYPE, quantize, quantize_rows
 
@@ -42,9 +43,10 @@ def gemm_backend(device: torch.device, in_features: int, out_features: int) -> s
 
 
 def quantize_input(x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """[M, K] activations -> (FP8 codes, float32 scales [M, 1]): per token, or the static scale."""
+    """[M, K] activations -> (FP8 codes, float32 scales [M, 1]): per token (on CUDA one fused kernel with
+    the same codes), or the static scale."""
     if input_scale is None:
-        return quantize_rows(x)
+        return fused_quantize_rows(x.contiguous()) if x.is_cuda else quantize_rows(x)
     scale = input_scale.reshape(1, 1).expand(x.shape[0], 1).contiguous()
     return quantize(x, input_scale), scale
 

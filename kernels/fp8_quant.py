@@ -2,7 +2,7 @@
 per-row quantization of activations (one program per row: the row's amax, then its codes).
 
 quantize_rows(x) gives what torch's `scale = max(amax(|x|), 1e-12) / 448; (x / scale).clamp(-448,
-448).to(float8_e4m3fn)` gives, bit for bit (app/worker/quantization/fp8.py's quantize_rows), in one
+448).to(float8_e4m3fn)` gives with IEEE divisions, bit for bit (app/worker/quantization/fp8.py's quantize_rows), in one
 launch instead of about six (abs, amax, clamp, divide, clamp, cast); at 512 rows the unfused ops were
 ~18% of the 8B model's FP8 decode step on the H200.
 
@@ -81,5 +81,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp_(min=MIN_AMAX) / FP8_MAX
+    amax = x.abs().amax(dim=-1, keepdim=True).float().clamp_(min=MIN_AMAX)
+    scale = amax / torch.full_like(amax, FP8_MAX)  # a true division on every device (CUDA torch turns
+    # division by a Python number into a multiply by its reciprocal)
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale

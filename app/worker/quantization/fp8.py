@@ -29,8 +29,11 @@ def quantize(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
 
 def row_scales(x: torch.Tensor) -> torch.Tensor:
     """Per-row (last dimension) scales amax / 448, float32, shape [..., 1]."""
-    amax = x.abs().amax(dim=-1, keepdim=True).float()
-    return amax.clamp_(min=_MIN_AMAX) / FP8_MAX
+    amax = x.abs().amax(dim=-1, keepdim=True).float().clamp_(min=_MIN_AMAX)
+    # Divided by a tensor, not the number: CUDA torch turns division by a Python scalar into a multiply
+    # by its reciprocal (an ulp off at times), so the scales would differ between devices and from
+    # the fused kernel's IEEE division (kernels/fp8_quant.py).
+    return amax / torch.full_like(amax, FP8_MAX)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

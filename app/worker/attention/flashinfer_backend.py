@@ -5,8 +5,9 @@ plan() runs once per step and is shared by all layers: a step whose sequences al
 plans the decode kernel, a step of prefill chunks the batch-prefill wrapper with a causal mask
 (flashinfer aligns it to the end of each context, so a chunk after a cached prefix sees the whole
 prefix), and a mixed step both: its leading one-token rows on the decode kernel, the rest on the
-prefill wrapper (MixedMetadata). The page list flashinfer reads (CSR indptr/indices/last_page_len) is built from the block
-tables on the device by a Triton kernel. K/V rows are written by our fused write kernel.
+prefill wrapper (MixedMetadata). The page list flashinfer reads (CSR indptr/indices/last_page_len)
+is built from the block tables on the device by a Triton kernel. K/V rows are written by our fused
+write kernel.
 
 CUDA graphs: each captured decode size gets its own decode wrapper in CUDA-graph mode with fixed
 indptr / last_page_len buffers and one page-index buffer shared by all sizes (one graph replays at a

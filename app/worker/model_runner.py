@@ -354,15 +354,16 @@ class ModelRunner:
 
     def _profile_step(self) -> int:
         """One forward + sample of the largest step on a throwaway KV cache. The step's tokens go to
-        as few long chunks as max_model_len allows plus single-token decodes, so that max_num_seqs
+        single-token decodes plus as few long chunks as max_model_len allows, so that max_num_seqs
         rows sample (the sampler peak), and every sequence sits at max_model_len context (the
         attention peak). The sequences share one block table: what they read is irrelevant here.
         Returns the bytes of that temporary cache (not activation memory)."""
         total = max(self._profile_tokens(), 1)
         num_decodes = min(self.max_num_seqs, total) - 1
-        query_lens = (_split(total - num_decodes, self.max_model_len) + [1] * num_decodes)[
-            : self.max_num_seqs
-        ]
+        chunks = _split(total - num_decodes, self.max_model_len)
+        decodes = [1] * min(num_decodes, max(self.max_num_seqs - len(chunks), 0))
+        # Decodes first, as the scheduler orders a step (a backend may run them apart from the chunks).
+        query_lens = (decodes + chunks)[: self.max_num_seqs]
         seq_lens = [self.max_model_len] * len(query_lens)
         num_blocks = math.ceil(self.max_model_len / self.block_size)
         cache = KVCache(self.model.kv_cache_spec(self.kv_dtype), num_blocks, self.block_size, self.device)

@@ -144,7 +144,8 @@ class Settings(BaseSettings):
     enable_prefix_caching: bool = _f(True, "Enable or disable prefix cache reuse.", SCHEDULER)
     enforce_eager: bool = _f(False, "Disable CUDA graph execution.", SCHEDULER)
     max_cudagraph_capture_size: int | None = _f(
-        None, "Largest batch size to capture with CUDA graphs.", SCHEDULER, ge=1)
+        None, "Largest batch size to capture with CUDA graphs. Unset: 512, capped by --max-num-seqs.", SCHEDULER,
+        ge=1)
     cudagraph_capture_sizes: list[int] | None = _f(
         None, "Explicit CUDA graph capture sizes.", SCHEDULER, min_length=1)
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Build flashinfer's JIT kernels for the shapes the GPU run needs (bf16 queries, head_dim 128, page 16,
-bf16 and FP8 KV: batch decode, CUDA-graph decode and causal batch prefill; and the sampling kernels)
-through our backend, so the compile
+"""Build the JIT kernels the flashinfer backend runs for the GPU run's shapes (bf16 queries, head_dim 128,
+page 16; bf16 KV: flashinfer's prefill, Triton's decode; FP8 KV: flashinfer's prefill and tensor-core
+decode, graphed too; and the sampling kernels) through our backend, so the compile
 (~12 s decode, ~95 s prefill the first time) overlaps other work and lands in
 $FLASHINFER_WORKSPACE_BASE, which the run script returns as a tarball."""
 
@@ -27,7 +27,7 @@ def main() -> None:
         problem = kernels_unavailable(spec, kv_dtype, torch.device("cuda"))
         if problem is not None:
             raise SystemExit(f"flashinfer ({kv_dtype} KV): {problem}")
-        print(f"flashinfer decode, prefill and graph decode ({kv_dtype} KV) ready after "
+        print(f"flashinfer backend's decode, prefill and graph decode ({kv_dtype} KV) ready after "
               f"{time.perf_counter() - started:.1f} s", flush=True)
     from app.worker.sampling.flashinfer_sampler import load_flashinfer_sampling
 

@@ -2,9 +2,9 @@
 per-row quantization of activations (one program per row: the row's amax, then its codes).
 
 quantize_rows(x) gives what torch's `scale = max(amax(|x|), 1e-12) / 448; (x / scale).clamp(-448,
-448).to(float8_e4m3fn)` gives with IEEE divisions, bit for bit (app/worker/quantization/fp8.py's quantize_rows), in one
-launch instead of about six (abs, amax, clamp, divide, clamp, cast); at 512 rows the unfused ops were
-~18% of the 8B model's FP8 decode step on the H200.
+448).to(float8_e4m3fn)` gives with IEEE divisions (app/worker/quantization/fp8.py's quantize_rows),
+bit for bit, in one launch instead of about six (abs, amax, clamp, divide, clamp, cast); at 512 rows
+the unfused ops were ~18% of the 8B model's FP8 decode step on the H200.
 
 The kernels round to the e4m3 grid themselves (to nearest, ties to even) before the cast, so the cast
 only sees representable values: on the GPU the cast would round the same way, but Triton's

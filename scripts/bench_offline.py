@@ -113,9 +113,9 @@ class StepProfiler:
 
     def __init__(self, first: int, count: int) -> None:
         self.first, self.count = first, count
-        self.report: dict[str, Any] = {}
         self._profiler: Any = None
         self._started = 0.0
+        self._wall = 0.0  # of the window, once it closed
 
     def at_step(self, step: int) -> None:
         if step == self.first:
@@ -128,12 +128,15 @@ class StepProfiler:
         elif step == self.first + self.count and self._profiler is not None:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-            wall = time.perf_counter() - self._started
+            self._wall = time.perf_counter() - self._started
             self._profiler.stop()
-            self._summarise(wall)
-            self._profiler = None
 
-    def _summarise(self, wall: float) -> None:
+    def report(self) -> dict[str, Any]:
+        """The window's figures (empty if the run ended before it closed); called after the timed run,
+        since reading the trace takes a while."""
+        if self._profiler is None or not self._wall:
+            return {}
+        wall = self._wall
         kernels = [e for e in self._profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         by_name: dict[str, list[float]] = {}
         for event in kernels:
@@ -142,15 +145,15 @@ class StepProfiler:
             entry[1] += event.device_time / 1e3  # us -> ms
         busy_ms = sum(ms for _, ms in by_name.values())
         top = sorted(by_name.items(), key=lambda item: -item[1][1])[:20]
-        self.report = {
-            "steps": self.count, "wall_ms": wall * 1e3, "gpu_busy_ms": busy_ms,
-            "gpu_busy_share": busy_ms / (wall * 1e3),
-            "kernels": [{"name": name, "calls": calls, "ms": ms, "share": ms / busy_ms} for name, (calls, ms) in top],
-        }
         print(f"profile of steps {self.first}..{self.first + self.count - 1}: wall {wall * 1e3:.1f} ms, GPU busy "
               f"{busy_ms:.1f} ms ({busy_ms / (wall * 1e3):.0%})", file=sys.stderr)
         for name, (calls, ms) in top:
             print(f"  {ms:9.2f} ms {ms / busy_ms:6.1%} {calls:6d}x  {name}", file=sys.stderr)
+        return {
+            "steps": self.count, "wall_ms": wall * 1e3, "gpu_busy_ms": busy_ms,
+            "gpu_busy_share": busy_ms / (wall * 1e3),
+            "kernels": [{"name": name, "calls": calls, "ms": ms, "share": ms / busy_ms} for name, (calls, ms) in top],
+        }
 
 
 def make_requests(args: argparse.Namespace, vocab_size: int) -> list[p.TokenizedRequest]:
@@ -278,7 +281,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "output_sha256": outcome.digest(),
         "step_kinds": {kind: {"steps": n, "seconds": sec, "mean_ms": sec * 1e3 / n}
                        for kind, (n, sec) in outcome.kinds.items()},
-        **({"profile": outcome.profile.report} if outcome.profile is not None else {}),
+        **({"profile": outcome.profile.report()} if outcome.profile is not None else {}),
     }
 
 

@@ -119,9 +119,9 @@ class MixedMetadata(AttentionMetadata):
     puts them first) run the decode kernel, the rest the prefill wrapper. One prefill launch over both
     would read the decodes' contexts with the prefill kernels, at a fraction of the decode kernel's rate."""
 
-    decode: AttentionMetadata | None = None  # of the first decode_tokens tokens
-    prefill: FlashInferMetadata | None = None
-    decode_tokens: int = 0
+    decode: AttentionMetadata  # of the first decode_tokens tokens
+    prefill: FlashInferMetadata
+    decode_tokens: int
 
 
 class FlashInferAttentionBackend(AttentionBackend):
@@ -258,7 +258,6 @@ class FlashInferAttentionBackend(AttentionBackend):
             assert self.triton is not None
             return self.triton.forward(layer_idx, q, k, v, meta)
         if isinstance(meta, MixedMetadata):
-            assert meta.decode is not None and meta.prefill is not None
             n = meta.decode_tokens
             return torch.cat([self.forward(layer_idx, q[:n], k[:n], v[:n], meta.decode),
                               self.forward(layer_idx, q[n:], k[n:], v[n:], meta.prefill)])  # fmt: skip

@@ -20,7 +20,8 @@
 #                            or carry a cache that has the FP8-KV kernels: warm_flashinfer builds bf16 only)
 #   attn                     decode attention alone per backend (flashinfer CUDA-core and tensor-core, triton),
 #                            bf16 and FP8 KV, batch 1 to 384: time and KV read rate vs the copy bandwidth: ~90 s
-#   gemv                     decode-sized FP8-weight GEMV vs bf16 linear on the 8B shapes: ~40 s
+#   gemv                     decode-sized GEMVs (kernels/gemv.py) swept per 8B shape and row count, bf16 and FP8
+#                            weights, against cuBLAS and the old FP8 GEMV: GEMV_BUDGET (200) s + ~40 s
 #   tests_fp8kv              GPU tests of the FP8 KV backends, flashinfer sampling and FP8 GEMMs: ~150 s
 #   tests_tp latency_tp      two GPUs (nvidia-h200-x2): TP=2 GPU tests; batch-1 decode at TP=1 and TP=2
 #   serving_dp               two GPUs: the appliance at 1 replica, then --data-parallel-size 2: ~300 s
@@ -137,13 +138,16 @@ for s in $STAGES; do
     hf) stage hf_b1 120 python3 scripts/gpu/hf_reference.py --model $MODEL --batch-size 1 --output-len 64 --json "$RUN/hf_b1.json" ;;
     tests_8b) wait $WARM; stage tests_8b 240 python3 -m pytest -q -s -p no:cacheprovider tests/gpu -k "8b" ;;
     idle) stage gpu_idle 90 python3 scripts/gpu/gpu_idle.py --json "$RUN/gpu_idle.json" ;;
-    serving) stage serving 200 bash scripts/gpu/serve_and_bench.sh "$RUN" serving ;;
+    # 4 streams of 1024-token prompts (the TTFT/TPOT case) with fixed lengths (the 4 arrive
+    # together) and with lengths drawn within +-50% (arrivals spread, as in real traffic); one stream.
+    serving) MORE="stagger:4:0.5:32:128 b1:1:0:3:256" stage serving 260 bash scripts/gpu/serve_and_bench.sh "$RUN" serving ;;
     # Two GPUs (nvidia-h200-x2): TP=2 parity tests, batch-1 decode TP=1 vs TP=2, and the appliance's
     # throughput with one replica vs two (--data-parallel-size 2) at twice the concurrency.
     attn) wait $WARM; stage attn 200 python3 scripts/gpu/bench_decode_attention.py --json "$RUN/attn.json" ;;
-    gemv) stage gemv 120 python3 scripts/gpu/bench_fp8_gemv.py --json "$RUN/gemv.json" ;;
+    gemv) stage gemv $((${GEMV_BUDGET:-200} + 60)) python3 scripts/gpu/bench_gemv.py --budget-s "${GEMV_BUDGET:-200}" \
+      --json "$RUN/gemv.json" ;;
     tests_fp8kv) wait $WARM; stage tests_fp8kv 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_kv_backends.py \
-      tests/gpu/test_flashinfer_sampling.py tests/gpu/test_fp8_gpu.py ;;
+      tests/gpu/test_flashinfer_sampling.py tests/gpu/test_fp8_gpu.py tests/gpu/test_gemv_gpu.py ;;
     tests_tp) wait $WARM; stage tests_tp 200 python3 -m pytest -v -s -p no:cacheprovider -o faulthandler_timeout=100 \
       tests/gpu/test_tensor_parallel_gpu.py ;;
     latency_tp)

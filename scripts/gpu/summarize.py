@@ -120,9 +120,10 @@ def other_lines(results: dict[str, dict]) -> list[str]:
             )
         elif "ttft_ms" in r and "output_token_throughput" in r:  # bench_serving through the appliance
             lines.append(
-                f"{name}: {r['completed']}/{r['num_prompts']} ok, {r['input_len']}/{r['output_len']} tokens at "
-                f"concurrency {r['max_concurrency']}: output {fmt(r['output_token_throughput'], '.0f')} tok/s, "
-                f"TTFT p50 {fmt(r['ttft_ms']['p50'])} ms, TPOT p50 {fmt(r['tpot_ms']['p50'], '.2f')} ms, "
+                f"{name}: {r['completed']}/{r['num_prompts']} ok, {r['input_len']}/{r['output_len']} tokens "
+                f"(range ratio {r.get('random_range_ratio', 0)}) at concurrency {r['max_concurrency']}: output "
+                f"{fmt(r['output_token_throughput'], '.0f')} tok/s, TTFT p50 {fmt(r['ttft_ms']['p50'])} ms "
+                f"(mean {fmt(r['ttft_ms']['mean'])}), TPOT p50 {fmt(r['tpot_ms']['p50'], '.2f')} ms, "
                 f"ITL p50 {fmt(r['itl_ms']['p50'], '.2f')} ms"
             )
         elif name.startswith("hf_"):
@@ -150,9 +151,9 @@ def ratio_lines(results: dict[str, dict]) -> list[str]:
 
 
 def gemv_lines(results: dict) -> list[str]:
-    """bench_fp8_gemv.py's rows (a list): the FP8-weight GEMV against bf16 cuBLAS per layer shape."""
-    return [f"gemv {r['layer']} m={r['m']}: FP8 {r['fp8_gemv_ms'] * 1e3:.1f} us ({r['fp8_gemv_tb_s']:.2f} TB/s), "
-            f"bf16 {r['bf16_linear_ms'] * 1e3:.1f} us ({r['bf16_tb_s']:.2f} TB/s): x{r['speedup_vs_bf16']:.2f}"
+    """bench_gemv.py's rows (a list): the fastest kernels/gemv.py configuration per weight dtype, rows and shape."""
+    return [f"gemv {r['weights']} {r['layer']} m={r['m']}: {r.get('best_ms', float('nan')) * 1e3:.1f} us "
+            f"({r.get('best_tb_s', float('nan')):.2f} TB/s)" + (f", cuBLAS {r['cublas_ms'] * 1e3:.1f} us" if "cublas_ms" in r else "")
             for r in results.get("gemv", [])]
 
 

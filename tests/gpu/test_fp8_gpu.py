@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenspeed_kernels.fp8_gemv import fp8_gemv, fp8_gemv_reference
+from tokenspeed_kernels.gemv import gemv, gemv_reference
 
 from app.worker.attention import build_attention_batch, make_attention_backend
 from app.worker.kv_cache import KVCache
@@ -81,7 +81,7 @@ def test_scaled_mm_matches_the_emulated_gemm(m: int, static: bool) -> None:
         assert backend == SCALED_MM_ROWWISE
     got = fp8_linear(*args, backend)
     if m <= GEMV_MAX_ROWS:  # decode sizes: the weight-only GEMV, activations not quantized
-        want = fp8_gemv_reference(x, w_codes, w_scale) + bias
+        want = gemv_reference(x, w_codes, w_scale) + bias
     else:
         want = fp8_linear(*args, EMULATED)
     assert got.dtype == torch.bfloat16 and got.shape == (m, 384)
@@ -94,8 +94,8 @@ def test_fp8_gemv_in_bf16_matches_float64(m: int, n: int, k: int) -> None:
     gen = torch.Generator(device=CUDA).manual_seed(n)
     w_codes, w_scale = quantize_rows(torch.randn(n, k, generator=gen, device=CUDA) * 0.02)
     x = torch.randn(m, k, generator=gen, device=CUDA).to(torch.bfloat16)
-    got = fp8_gemv(x, w_codes, w_scale.view(-1))
-    assert relative_error(got, fp8_gemv_reference(x, w_codes, w_scale.view(-1))) < 1e-2
+    got = gemv(x, w_codes, w_scale.view(-1))
+    assert relative_error(got, gemv_reference(x, w_codes, w_scale.view(-1))) < 1e-2
 
 
 @needs_scaled_mm

@@ -133,7 +133,7 @@ def _cpu_scaled_mm() -> bool:
 @pytest.mark.parametrize("backend", [SCALED_MM_ROWWISE, SCALED_MM_TENSORWISE])
 def test_scaled_mm_call_layout_matches_the_emulated_gemm(backend: str) -> None:
     """The Hopper/Ada call shapes (column-major weight view, [M,1] x [1,N] scales) run here on the CPU;
-    more rows than the decode-sized GEMV takes (kernels/fp8_gemv.py), so _scaled_mm is what runs."""
+    more rows than the decode-sized GEMV takes (kernels/gemv.py), so _scaled_mm is what runs."""
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(GEMV_MAX_ROWS + 3, 64, generator=gen, dtype=torch.bfloat16)
     w_codes, w_scale = quantize_rows(torch.randn(32, 64, generator=gen))

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from tokenspeed_kernels.gemv import MAX_M as GEMV_MAX_M
+from tokenspeed_kernels.gemv import gemv, measured_config
 from torch import nn
 
 from app.worker.parallel import SINGLE, TensorParallel
@@ -92,6 +94,11 @@ class Linear(nn.Module):
     def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant is not None:
             return self.quant.apply(self, x, bias)
+        if x.is_cuda and x.dim() == 2 and x.shape[0] <= GEMV_MAX_M:
+            config = measured_config(x.shape[0], *self.weight.shape, self.weight.dtype)
+            if config is not None:  # decode-sized, and kernels/gemv.py beat cuBLAS on this shape
+                y = gemv(x if x.stride(-1) == 1 else x.contiguous(), self.weight, None, config)
+                return y if bias is None else y + bias
         return F.linear(x, self.weight, bias)
 
 

@@ -8,7 +8,7 @@ Two implementations of the same numbers:
   operand column-major: the [N, K] row-major weight transposed is exactly that, without a copy;
   K and N must be multiples of 16 (layers that are not fall back to EMULATED).
   Decode-sized batches (<= GEMV_MAX_ROWS rows) are bound by reading the weights, and cuBLAS's FP8
-  GEMM is slow there: they run kernels/fp8_gemv.py instead, which reads the codes once and multiplies
+  GEMM is slow there: they run kernels/gemv.py instead, which reads the codes once and multiplies
   them, cast to the activation dtype, with the unquantized activations (W8A16: no per-token quantize,
   at least the W8A8 path's accuracy; static input scales are not applied).
 - EMULATED: anywhere else (CPU, older GPUs): the codes cast to the activation dtype (exact: every
@@ -19,8 +19,8 @@ Two implementations of the same numbers:
 from __future__ import annotations
 
 import torch
-from tokenspeed_kernels.fp8_gemv import MAX_M, fp8_gemv
 from tokenspeed_kernels.fp8_quant import quantize_rows as fused_quantize_rows
+from tokenspeed_kernels.gemv import MAX_M, gemv
 
 from app.worker.quantization.fp8 import FP8_DTYPE, quantize, quantize_rows
 
@@ -28,7 +28,7 @@ SCALED_MM_ROWWISE = "scaled_mm_rowwise"  # SM90+
 SCALED_MM_TENSORWISE = "scaled_mm_tensorwise"  # SM89
 EMULATED = "emulated"
 BACKENDS = (SCALED_MM_ROWWISE, SCALED_MM_TENSORWISE, EMULATED)
-# Up to this many rows the _scaled_mm backends run the weight-only FP8 GEMV instead (kernels/fp8_gemv.py).
+# Up to this many rows the _scaled_mm backends run the weight-only FP8 GEMV instead (kernels/gemv.py).
 GEMV_MAX_ROWS = MAX_M
 
 
@@ -87,7 +87,7 @@ def _quantized_product(rows: torch.Tensor, weight: torch.Tensor, weight_scale: t
 
 def _weight_only(rows: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
     """Decode-sized batches: the FP8-weight GEMV (activations unquantized; see the module docstring)."""
-    return fp8_gemv(rows if rows.stride(-1) == 1 else rows.contiguous(), weight, weight_scale)
+    return gemv(rows if rows.stride(-1) == 1 else rows.contiguous(), weight, weight_scale)
 
 
 def _emulated(

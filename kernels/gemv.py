@@ -1,0 +1,187 @@
+"""Decode-sized linear layers: y [M, N] = x [M, K] @ W [N, K]^T for a few rows (M <= MAX_M), where W is
+16-bit, or FP8 e4m3 codes with per-output-channel scales [N] (W8A16: the activations stay unquantized).
+
+At decode sizes a linear layer is bound by reading W once, so the kernel is shaped for bytes in flight,
+not for FLOPs. Two loop bodies:
+- FMA (M <= FMA_MAX_M): the rows are broadcast against a [BLOCK_N, BLOCK_K] weight tile and multiplied in
+  float32 registers, summed over K once at the end: no padding of M and no shared-memory staging, so
+  BLOCK_N can be as small as a few rows and many programs stream W at once.
+- DOT: tl.dot with the rows padded to 16 (float32 accumulation on the tensor cores).
+Split-K: with SPLIT_K > 1 the grid is (N blocks, SPLIT_K) and each program writes float32 partial sums to a
+[SPLIT_K, M, N] buffer that a second kernel adds in split order (deterministic, unlike atomics), scales
+and casts. It pays where N / BLOCK_N alone gives too few programs to fill the GPU.
+
+FP8 codes are exact in every float type, so the products are those of the dequantized weight.
+`pick_config` holds the configuration measured fastest per shape on the H200
+(scripts/gpu/bench_gemv.py); any explicit `GemvConfig` runs as given.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import FP8_DTYPE, check_last_dim_contiguous, dot_precision
+
+MAX_M = 16
+FMA_MAX_M = 4
+WEIGHT_DTYPES = (torch.float16, torch.bfloat16, FP8_DTYPE)
+_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    use_dot: bool
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def block_m(self, m: int) -> int:
+        return 16 if self.use_dot else triton.next_power_of_2(m)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, scale_ptr, out_ptr,
+    M, N, K, K_PER_SPLIT,
+    stride_xm, stride_wn, stride_om, stride_os,
+    HAS_SCALE: tl.constexpr, USE_DOT: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    n_ok = rn < N
+    m_ok = rm < M
+    k_start = pid_k * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
+    x_rows = x_ptr + rm[:, None] * stride_xm
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        kk = k0 + rk
+        if EVEN_K:  # no K mask: keeps the loads vectorised
+            w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None], other=0.0)
+            x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None], other=0.0)
+        else:
+            k_ok = kk < k_end
+            w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if USE_DOT:
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=PRECISION)
+        else:
+            acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    if not USE_DOT:
+        acc = tl.sum(acc3, axis=2)
+    out_mask = m_ok[:, None] & n_ok[None, :]
+    if PARTIAL:
+        tl.store(out_ptr + pid_k * stride_os + rm[:, None] * stride_om + rn[None, :], acc, mask=out_mask)
+    else:
+        if HAS_SCALE:
+            acc = acc * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
+        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _sum_splits_kernel(
+    part_ptr, scale_ptr, y_ptr, M, N, stride_ym,
+    SPLIT_K: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < M * N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + s * M * N + offs, mask=ok, other=0.0)
+    n = offs % N
+    if HAS_SCALE:
+        acc = acc * tl.load(scale_ptr + n, mask=ok, other=0.0)
+    tl.store(y_ptr + (offs // N) * stride_ym + n, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+# Measured on one H200 (scripts/gpu/bench_gemv.py): the fastest configuration per weight dtype, row bucket
+# and shape, keyed by ("fp8" or "16", rows rounded up to one of ROW_BUCKETS, N, K). A 16-bit shape runs here
+# only where it beat cuBLAS there; elsewhere torch's linear does.
+ROW_BUCKETS = (1, 4, 8, 16)
+_MEASURED: dict[tuple[str, int, int, int], GemvConfig] = {}
+
+
+def measured_config(m: int, n: int, k: int, weight_dtype: torch.dtype) -> GemvConfig | None:
+    """The configuration measured fastest for this shape (None: not measured, or cuBLAS was faster)."""
+    if _INTERPRETING or weight_dtype not in WEIGHT_DTYPES or not 1 <= m <= MAX_M:
+        return None
+    bucket = next(b for b in ROW_BUCKETS if b >= m)
+    return _MEASURED.get(("fp8" if weight_dtype == FP8_DTYPE else "16", bucket, n, k))
+
+
+def pick_config(m: int, n: int, k: int, weight_dtype: torch.dtype) -> GemvConfig:
+    """The measured configuration for this shape, else one that keeps a few programs per SM busy."""
+    found = measured_config(m, n, k, weight_dtype)
+    if found is not None:
+        return found
+    if _INTERPRETING:
+        return GemvConfig(use_dot=m > FMA_MAX_M, block_n=16, block_k=64)
+    block_k = 1024 if weight_dtype == FP8_DTYPE else 512
+    if m <= FMA_MAX_M:
+        return GemvConfig(use_dot=False, block_n=max(1, 8 // triton.next_power_of_2(m)), block_k=block_k)
+    return GemvConfig(use_dot=True, block_n=16, block_k=block_k // 2, num_stages=4)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+         config: GemvConfig | None = None) -> torch.Tensor:
+    """x [M, K] (M <= MAX_M; float16, bfloat16 or float32), weight [N, K] 16-bit or float8_e4m3fn, scale
+    [N] float32 for FP8 codes (None for a 16-bit weight) -> [M, N] in x's dtype."""
+    m, k = x.shape
+    n = weight.shape[0]
+    _check(x, weight, scale, m, k, n)
+    cfg = config or pick_config(m, n, k, weight.dtype)
+    if cfg.split_k < 1 or (cfg.use_dot and m > 16) or (not cfg.use_dot and m > FMA_MAX_M):
+        raise ValueError(f"config {cfg} cannot serve {m} rows")
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    scale_arg = y if scale is None else scale.reshape(-1).float().contiguous()  # unread when HAS_SCALE is off
+    # Each split covers a whole number of blocks: only the last may run past K.
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    splits = triton.cdiv(k, k_per_split)
+    partial = splits > 1
+    out = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if partial else y
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n), splits)](
+        x, weight, scale_arg, out, m, n, k, k_per_split, x.stride(0), weight.stride(0),
+        out.stride(-2), out.stride(0) if partial else 0,
+        HAS_SCALE=scale is not None, USE_DOT=cfg.use_dot, PARTIAL=partial, EVEN_K=k % cfg.block_k == 0,
+        PRECISION=dot_precision(x.dtype), BLOCK_M=cfg.block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if partial:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](
+            out, scale_arg, y, m, n, y.stride(0), SPLIT_K=splits, HAS_SCALE=scale is not None, BLOCK=block
+        )
+    return y
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, m: int, k: int, n: int) -> None:
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"gemv serves 1 to {MAX_M} rows, got {m}")
+    if weight.dim() != 2 or weight.shape[1] != k or weight.dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"gemv needs an [N, {k}] weight of {WEIGHT_DTYPES}, got {tuple(weight.shape)} {weight.dtype}")
+    if (weight.dtype == FP8_DTYPE) != (scale is not None) or (scale is not None and scale.numel() != n):
+        raise ValueError(f"FP8 codes need N={n} scales and a 16-bit weight none, got {weight.dtype} with "
+                         f"{None if scale is None else scale.numel()} scales")
+    check_last_dim_contiguous("x", x)
+    check_last_dim_contiguous("weight", weight)
+
+
+def gemv_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The same product in float64 (codes times scales), rounded to x's dtype once."""
+    w = weight.double() if scale is None else weight.double() * scale.reshape(-1, 1).double()
+    return (x.double() @ w.t()).to(x.dtype)

@@ -1,0 +1,54 @@
+"""kernels/gemv.py on CUDA (skipped without it), in bfloat16 (the interpreter has none): every loop body,
+split-K and the configurations measured for the 8B shapes against a float64 reference, and the 16-bit
+Linear's dispatch (the GEMV where it was measured faster than cuBLAS, torch's linear elsewhere) giving
+the same numbers as torch's linear to bf16 rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tokenspeed_kernels.gemv import FMA_MAX_M, GemvConfig, gemv, gemv_reference, pick_config
+
+from app.worker.layers.linear import Linear
+from app.worker.quantization import quantize_rows
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+CUDA = torch.device("cuda", 0)
+SHAPES = [(6144, 4096), (4096, 14336), (1000, 200)]
+CONFIGS = [
+    None,
+    GemvConfig(use_dot=False, block_n=4, block_k=1024, split_k=2),
+    GemvConfig(use_dot=True, block_n=32, block_k=256, split_k=4, num_stages=3),
+]
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want.double()).norm() / want.double().norm())
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16 weight", "fp8 weight"])
+@pytest.mark.parametrize("config", range(len(CONFIGS)))
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_gemv_in_bf16_matches_float64(n: int, k: int, m: int, config: int, fp8: bool) -> None:
+    cfg = CONFIGS[config] or pick_config(m, n, k, torch.float8_e4m3fn if fp8 else torch.bfloat16)
+    if not cfg.use_dot and m > FMA_MAX_M:
+        pytest.skip("the FMA body serves up to FMA_MAX_M rows")
+    gen = torch.Generator(device=CUDA).manual_seed(n + m)
+    w = torch.randn(n, k, generator=gen, device=CUDA) * 0.02
+    w, scale = quantize_rows(w) if fp8 else (w.to(torch.bfloat16), None)
+    scale = None if scale is None else scale.view(-1)
+    x = torch.randn(m, k, generator=gen, device=CUDA).to(torch.bfloat16)
+    assert relative_error(gemv(x, w, scale, cfg), gemv_reference(x, w, scale)) < 1e-2
+
+
+@pytest.mark.parametrize("m", [1, 4, 8, 16, 17])
+def test_linear_gives_torch_linear_numbers(m: int) -> None:
+    torch.manual_seed(m)
+    layer = Linear(4096, 6144, bias=True, dtype=torch.bfloat16).to(CUDA)
+    with torch.no_grad():
+        layer.weight.normal_(std=0.02)
+        layer.bias.normal_()
+        x = torch.randn(m, 4096, device=CUDA).to(torch.bfloat16)
+        got, want = layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias)
+    assert got.shape == want.shape and relative_error(got, want) < 1e-2

@@ -1,0 +1,94 @@
+"""The decode-sized GEMV (kernels/gemv.py) under the interpreter against a float64 reference.
+
+Weights are 16-bit, or FP8 codes with per-channel scales (read exactly), so what differs is the kernel's
+arithmetic: float32 activations accumulate in float32 (REL_TOL 1e-5 relative L2); float16 ones are
+multiplied on the dot's float16 path or in float32 registers (FMA), accumulated in float32, and the output
+rounds to float16 (2e-3). Every loop body (FMA for a few rows, DOT), split-K with a ragged last split,
+and shapes that are not multiples of the tiles (every mask) are covered. bfloat16 runs on the GPU only
+(the interpreter has no bf16 dot): tests/gpu/test_fp8_gpu.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tokenspeed_kernels.gemv import FMA_MAX_M, MAX_M, GemvConfig, gemv, gemv_reference, pick_config
+
+from app.worker.quantization import fp8_linear
+from app.worker.quantization.fp8 import quantize_rows
+from app.worker.quantization.gemm import SCALED_MM_ROWWISE, SCALED_MM_TENSORWISE
+
+REL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+CONFIGS = {
+    "default": None,
+    "fma split 3": GemvConfig(use_dot=False, block_n=4, block_k=32, split_k=3),
+    "dot split 2": GemvConfig(use_dot=True, block_n=16, block_k=32, split_k=2),
+}
+
+
+def weight(n: int, k: int, seed: int, fp8: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+    if not fp8:
+        return w.to(torch.float16), None
+    codes, scales = quantize_rows(w)
+    return codes, scales.view(-1)
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp16 weight", "fp8 weight"])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 40, 96), (3, 33, 200), (16, 24, 130)])
+def test_gemv_matches_float64(m: int, n: int, k: int, fp8: bool, config: str) -> None:
+    cfg = CONFIGS[config]
+    if cfg is not None and not cfg.use_dot and m > FMA_MAX_M:
+        pytest.skip("the FMA body serves up to FMA_MAX_M rows")
+    w, scale = weight(n, k, seed=m + n, fp8=fp8)
+    for dtype in ([torch.float32, torch.float16] if fp8 else [torch.float16]):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(dtype)
+        got, want = gemv(x, w, scale, cfg), gemv_reference(x, w, scale)
+        assert got.dtype == dtype and got.shape == (m, n)
+        assert relative_error(got, want) < REL_TOL[dtype]
+
+
+def test_split_k_equals_one_pass() -> None:
+    """Splits are summed in order in float32: the same products to within float32 rounding."""
+    w, scale = weight(20, 300, seed=1, fp8=True)
+    x = torch.randn(2, 300, generator=torch.Generator().manual_seed(2))
+    whole = gemv(x, w, scale, GemvConfig(use_dot=False, block_n=4, block_k=64, split_k=1))
+    split = gemv(x, w, scale, GemvConfig(use_dot=False, block_n=4, block_k=64, split_k=4))
+    assert torch.allclose(whole, split, rtol=1e-6, atol=1e-6)
+
+
+def test_default_configs_serve_every_row_count() -> None:
+    for m in range(1, MAX_M + 1):
+        for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+            cfg = pick_config(m, 4096, 4096, dtype)
+            assert cfg.use_dot or m <= FMA_MAX_M
+
+
+def test_gemv_refuses_what_it_does_not_serve() -> None:
+    w, scale = weight(16, 32, seed=0, fp8=True)
+    with pytest.raises(ValueError, match=f"1 to {MAX_M} rows"):
+        gemv(torch.randn(MAX_M + 1, 32), w, scale)
+    with pytest.raises(ValueError, match="weight of"):
+        gemv(torch.randn(2, 32), w.float(), scale)
+    with pytest.raises(ValueError, match="FP8 codes need N=16 scales"):
+        gemv(torch.randn(2, 32), w, None)
+    with pytest.raises(ValueError, match="cannot serve 8 rows"):
+        gemv(torch.randn(8, 32), w, scale, GemvConfig(use_dot=False, block_n=4, block_k=32))
+
+
+@pytest.mark.parametrize("backend", [SCALED_MM_ROWWISE, SCALED_MM_TENSORWISE])
+def test_decode_sized_batches_take_the_weight_only_gemv(backend: str) -> None:
+    """Up to GEMV_MAX_ROWS rows the FP8-capable backends multiply unquantized activations by the FP8
+    weights (W8A16): the float64 product of x and the dequantized weights, rounded once."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 64, generator=gen).to(torch.float16)
+    w_codes, w_scale = quantize_rows(torch.randn(32, 64, generator=gen))
+    bias = torch.randn(32, generator=gen).to(torch.float16)
+    got = fp8_linear(x, w_codes, w_scale.view(1, -1), None, bias, backend)
+    want = gemv_reference(x, w_codes, w_scale.view(-1)) + bias
+    assert torch.allclose(got.float(), want.float(), rtol=2**-9, atol=2e-3)

@@ -3,8 +3,12 @@
 # covers the vocabulary (scripts/gpu/wordlevel_tokenizer.py: every token streams as visible text),
 # then bench_serving. Defaults: 4 concurrent streams of 1024-token prompts (the issue's TTFT/TPOT case).
 #   serve_and_bench.sh RUN_DIR [NAME]      writes RUN_DIR/NAME.json, NAME-ready.json, NAME-serve.log
-# Environment: BACKEND (triton), SERVE_FLAGS (extra `serve` flags, e.g. --data-parallel-size 2),
-# NUM_PROMPTS (16), INPUT_LEN (1024), OUTPUT_LEN (128), CONCURRENCY (4), MAX_NUM_SEQS (64).
+# Environment: BACKEND (the appliance's default), SERVE_FLAGS (extra `serve` flags, e.g. --data-parallel-size 2),
+# NUM_PROMPTS (16), INPUT_LEN (1024), OUTPUT_LEN (128), CONCURRENCY (4), MAX_NUM_SEQS (64),
+# RANGE_RATIO (0: fixed lengths; R draws each request's lengths from [L*(1-R), L*(1+R)], bench_serving's
+# --random-range-ratio, so that requests under CONCURRENCY do not all finish and arrive together),
+# MORE (further benchmarks against the same server, each SUFFIX:CONCURRENCY:RANGE_RATIO:NUM_PROMPTS:OUTPUT_LEN,
+# written to NAME-SUFFIX.json).
 set -uo pipefail
 RUN=${1:?run dir}
 NAME=${2:-serving}
@@ -14,7 +18,7 @@ MODEL=/tmp/llama-3.1-8b-wordlevel
 t0=$(date +%s.%N)
 # shellcheck disable=SC2086  # SERVE_FLAGS is a list of flags
 python3 -m app.cli serve $MODEL --load-format dummy --dtype bfloat16 --device cuda \
-  --attention-backend "${BACKEND:-triton}" --max-model-len 4096 --max-num-seqs "${MAX_NUM_SEQS:-64}" \
+  ${BACKEND:+--attention-backend "$BACKEND"} --max-model-len 4096 --max-num-seqs "${MAX_NUM_SEQS:-64}" \
   --port $PORT ${SERVE_FLAGS:-} > "$RUN/$NAME-serve.log" 2>&1 &
 SERVER=$!
 trap 'kill -TERM $SERVER 2>/dev/null; wait $SERVER' EXIT
@@ -26,6 +30,15 @@ done
 ready=$(python3 -c "import time; print(round(time.time() - $t0, 1))")
 echo "start-to-ready ${ready} s"
 echo "{\"start_to_ready_s\": $ready}" > "$RUN/$NAME-ready.json"
-python3 scripts/bench_serving.py --base-url "http://127.0.0.1:$PORT" --num-prompts "${NUM_PROMPTS:-16}" \
-  --input-len "${INPUT_LEN:-1024}" --output-len "${OUTPUT_LEN:-128}" --max-concurrency "${CONCURRENCY:-4}" \
-  --vocab-size 128000 --min-token-id 10 --json "$RUN/$NAME.json" | tail -30
+bench() {  # bench JSON CONCURRENCY RANGE_RATIO NUM_PROMPTS OUTPUT_LEN
+  python3 scripts/bench_serving.py --base-url "http://127.0.0.1:$PORT" --num-prompts "$4" \
+    --input-len "${INPUT_LEN:-1024}" --output-len "$5" --max-concurrency "$2" \
+    --random-range-ratio "$3" --vocab-size 128000 --min-token-id 10 \
+    --json "$1" | tail -50  # the whole summary (about 46 lines)
+}
+bench "$RUN/$NAME.json" "${CONCURRENCY:-4}" "${RANGE_RATIO:-0}" "${NUM_PROMPTS:-16}" "${OUTPUT_LEN:-128}"
+for spec in ${MORE:-}; do
+  IFS=: read -r suffix concurrency ratio prompts output_len <<< "$spec"
+  echo "## $NAME-$suffix"
+  bench "$RUN/$NAME-$suffix.json" "$concurrency" "$ratio" "$prompts" "$output_len"
+done

@@ -37,7 +37,7 @@ from app.http.liveness import EngineLiveness, beat_forever
 from app.http.state import ServerState
 from app.http.streaming import JSON
 from app.ipc import Endpoints
-from app.lifecycle import Heartbeat
+from app.lifecycle import Heartbeat, settle_heap
 from app.metrics.exposition import metrics_route
 from app.protocol import ProcessReady
 
@@ -195,6 +195,7 @@ async def _serve(settings: Any, config: HttpConfig, endpoints: Endpoints) -> Non
 
 
 def _announce(endpoints: Endpoints, info: dict[str, Any]) -> None:
+    settle_heap()
     ctx = zmq.Context()
     try:
         sock = ipc.connect_push(ctx, endpoints.inbox("supervisor"))

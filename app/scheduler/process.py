@@ -249,6 +249,7 @@ def run_scheduler(settings, endpoints: Endpoints, replica: int = 0) -> None:
         ready.num_blocks * ready.block_size / ready.max_model_len,
     )
     supervisor = ipc.connect_push(ctx, endpoints.inbox("supervisor"))
+    lifecycle.settle_heap()
     ipc.send(supervisor, p.ProcessReady(name, os.getpid(), {}))
     try:
         loop.run()

@@ -50,6 +50,7 @@ def run_tokenizer(settings: Any, endpoints: Endpoints) -> None:
         supervisor = ipc.connect_push(ctx, endpoints.inbox("supervisor"))
         sockets = [inbox, *outs.schedulers, outs.http, supervisor]
         core, ready_info = _build_core(settings)
+        lifecycle.settle_heap()
         ipc.send(supervisor, ProcessReady(name="tokenizer", pid=os.getpid(), info=ready_info))
         _serve(core, inbox, outs, lifecycle.Heartbeat.attach(endpoints.runtime_dir, "tokenizer"))
     finally:

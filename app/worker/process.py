@@ -115,6 +115,7 @@ def run_worker(settings, endpoints: Endpoints, place: WorkerPlace | None = None,
                 _lead(runner, ready, place, endpoints, ctx, heartbeat, tp)
             else:
                 supervisor = ipc.connect_push(ctx, endpoints.inbox("supervisor"))
+                lifecycle.settle_heap()
                 ipc.send(supervisor, p.ProcessReady(place.name, os.getpid(), {}))
                 follow_steps(runner, tp, heartbeat)
     finally:
@@ -138,6 +139,7 @@ def _lead(runner, ready: p.WorkerReady, place: WorkerPlace, endpoints: Endpoints
         "eos_token_ids": ready.eos_token_ids,
     }
     supervisor = ipc.connect_push(ctx, endpoints.inbox("supervisor"))
+    lifecycle.settle_heap()
     ipc.send(supervisor, p.ProcessReady(place.name, os.getpid(), engine_info))
     try:
         serve_steps(runner, inbox, results, heartbeat, FaultInjector.from_env(), relay=tp if tp.size > 1 else None)

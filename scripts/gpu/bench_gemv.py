@@ -22,7 +22,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from tokenspeed_kernels.gemv import GemvConfig, gemv, gemv_reference, pick_config  # noqa: E402
+from tokenspeed_kernels.gemv import (  # noqa: E402
+    CONVERT_BITS,
+    CONVERT_F16,
+    CONVERT_NATIVE,
+    GemvConfig,
+    gemv,
+    gemv_reference,
+    pick_config,
+)
 
 from app.worker.quantization.fp8 import quantize_rows  # noqa: E402
 
@@ -31,15 +39,22 @@ ROTATE_BYTES = 256 << 20
 FMA_TILES = {1: [(2, 2048), (4, 1024), (8, 512), (8, 1024), (16, 512)],
              4: [(1, 1024), (2, 512), (4, 256), (4, 512), (8, 256)]}
 DOT_TILES = [(16, 128, 4), (16, 256, 3), (16, 256, 4), (32, 128, 4), (32, 256, 3), (16, 512, 3), (64, 128, 4)]
+# The weight as operand A: a warpgroup's 64 rows per MMA, so wider N tiles.
+W_AS_A_TILES = [(64, 128, 4), (64, 256, 3), (64, 256, 4), (64, 512, 2), (128, 128, 3), (128, 256, 2), (32, 256, 3)]
 
 
-def candidates(m: int) -> list[GemvConfig]:
+def candidates(m: int, fp8: bool) -> list[GemvConfig]:
     out = []
+    converts = (CONVERT_NATIVE, CONVERT_F16, CONVERT_BITS) if fp8 else (CONVERT_NATIVE,)
     for split in (1, 2, 4):
-        if m in FMA_TILES:
-            out += [GemvConfig(False, bn, bk, split, warps, 3) for bn, bk in FMA_TILES[m] for warps in (4, 8)]
-        if m > 1:
-            out += [GemvConfig(True, bn, bk, split, 4, stages) for bn, bk, stages in DOT_TILES]
+        if m in FMA_TILES:  # FP8 codes: one tile for reference (the FMA body converts every code in hardware)
+            tiles = FMA_TILES[m][-2:-1] if fp8 else FMA_TILES[m]
+            out += [GemvConfig(False, bn, bk, split, warps, 3) for bn, bk in tiles for warps in ((4,) if fp8 else (4, 8))]
+        for convert in converts:
+            if m > 1 or convert != CONVERT_NATIVE:
+                out += [GemvConfig(True, bn, bk, split, 4, stages, False, convert) for bn, bk, stages in DOT_TILES]
+            out += [GemvConfig(True, bn, bk, split, warps, stages, True, convert)
+                    for bn, bk, stages in W_AS_A_TILES for warps in ((4, 8) if bn == 128 else (4,))]
     return out
 
 
@@ -84,7 +99,7 @@ def sweep_shape(name: str, n: int, k: int, m: int, fp8: bool, deadline: float) -
     if not fp8:
         row["cublas_ms"] = time_ms(lambda i: F.linear(x, ws[i]), copies)
     results = []
-    for cfg in candidates(m):
+    for cfg in candidates(m, fp8):
         if time.monotonic() > deadline:
             row["cut_short"] = True
             break
@@ -131,7 +146,7 @@ def main() -> None:
             faster = r["weights"] == "fp8" or r["best_ms"] < r["cublas_ms"]
             print(f"    {'' if faster else '# cuBLAS faster: '}(\"{'fp8' if r['weights'] == 'fp8' else '16'}\", {r['m']}, "
                   f"{r['n']}, {r['k']}): GemvConfig({c['use_dot']}, {c['block_n']}, {c['block_k']}, {c['split_k']}, "
-                  f"{c['num_warps']}, {c['num_stages']}),")
+                  f"{c['num_warps']}, {c['num_stages']}, {c['w_as_a']}, {c['convert']}),")
     print("}")
     cublas = {(r["layer"], r["m"]): r["cublas_ms"] for r in rows if "cublas_ms" in r}
     print("| weights | m | layer | best ms | TB/s | default ms | cuBLAS bf16 ms | best / cuBLAS time | configs timed |")

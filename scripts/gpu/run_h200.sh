@@ -8,7 +8,8 @@
 # lives in .fi_cache/ (carry it in, or packed as .fi_cache.tar.gz: it comes back as $OUT/fi_cache.tar.gz) and compiles in the
 # background while the first stages run. Default stages: roofline latency_triton tests
 # latency_flashinfer latency_b32 offline hf tests_8b. Named only (each with its own time needs):
-#   idle serving             GPU idle between steps; the whole appliance over HTTP
+#   idle serving             GPU idle between steps; the whole appliance over HTTP (PYSPY_BENCH=b1: py-spy on it)
+#   offline_b1               one request of 1024 in / 512 out in process (the overlapped loop at batch 1): ~40 s
 #   latency_fp8              batch-1 flashinfer latency, bf16 weights then FP8 (quantized at load): ~70 s
 #   kv_pool                  start-up only, bf16 KV then FP8 KV: kv_pool_tokens of each: ~50 s, plus
 #                            ~110 s the first time for flashinfer's FP8-KV kernels (JIT; then cached)
@@ -36,7 +37,7 @@ export PYTHONUNBUFFERED=1
 MODEL=configs/models/llama-3.1-8b
 STAGES=${*:-roofline latency_triton tests latency_flashinfer latency_b32 offline hf tests_8b}
 KNOWN=" roofline latency_triton tests latency_flashinfer latency_b32 offline offline_no_overlap latency_fp8 kv_pool \
-offline_1000 offline_1000_g512 offline_1000_fp8 offline_1000_fp8kv hf tests_8b idle serving tests_tp latency_tp serving_dp tests_fp8kv gemv attn "
+offline_1000 offline_1000_g512 offline_1000_fp8 offline_1000_fp8kv offline_b1 hf tests_8b idle serving tests_tp latency_tp serving_dp tests_fp8kv gemv attn "
 for s in $STAGES; do  # every name checked before anything runs
   [[ $KNOWN == *" $s "* ]] || { echo "unknown stage $s; known:$KNOWN"; exit 2; }
 done
@@ -47,7 +48,7 @@ done
   && find /tmp/site -exec touch -h -d 2000-01-01 {} + && touch /tmp/site/.installed; } ) 9>/tmp/site.lock \
   || { echo "wheel install failed"; exit 1; }
 mkdir -p /tmp/tsk && ln -sfn "$PWD/kernels" /tmp/tsk/tokenspeed_kernels
-export PYTHONPATH=/tmp/site:/tmp/tsk:$PWD
+export PYTHONPATH=/tmp/site:/tmp/tsk:$PWD PATH=/tmp/site/bin:$PATH
 export FLASHINFER_WORKSPACE_BASE=$PWD/.fi_cache
 mkdir -p "$FLASHINFER_WORKSPACE_BASE"
 # flashinfer's JIT runs ninja, which rebuilds a kernel whose inputs are newer than it: the headers pip
@@ -119,6 +120,8 @@ for s in $STAGES; do
       latency latency_flashinfer_b1 flashinfer 1
       stage tests_flashinfer 70 python3 -m pytest -q -p no:cacheprovider tests/gpu -k "flashinfer and not 8b" ;;
     latency_b32) wait $WARM; latency latency_flashinfer_b32 flashinfer 32; latency latency_triton_b32 triton 32 ;;
+    # One request in process: the overlapped engine loop's batch-1 step, without the appliance's processes.
+    offline_b1) wait $WARM; run_offline offline_b1 120 --num-requests 1 --input-len 1024 --output-len 512 --max-num-seqs 8 ;;
     offline) wait $WARM; run_offline offline 150 --num-requests 128 --input-len 512 --output-len 128 --max-num-seqs 128 ;;
     offline_no_overlap) wait $WARM; run_offline offline_no_overlap 150 --num-requests 128 --input-len 512 --output-len 128 \
       --max-num-seqs 128 --no-overlap ;;
@@ -140,7 +143,7 @@ for s in $STAGES; do
     idle) stage gpu_idle 90 python3 scripts/gpu/gpu_idle.py --json "$RUN/gpu_idle.json" ;;
     # 4 streams of 1024-token prompts (the issue's TTFT/TPOT case) with fixed lengths (the 4 arrive
     # together) and with lengths drawn within +-50% (arrivals spread, as in real traffic); one stream.
-    serving) MORE="stagger:4:0.5:32:128 b1:1:0:3:256" stage serving 260 bash scripts/gpu/serve_and_bench.sh "$RUN" serving ;;
+    serving) MORE="stagger:4:0.5:32:128 b1:1:0:3:256" PYSPY_BENCH=${PYSPY_BENCH:-} stage serving 260 bash scripts/gpu/serve_and_bench.sh "$RUN" serving ;;
     # Two GPUs (nvidia-h200-x2): TP=2 parity tests, batch-1 decode TP=1 vs TP=2, and the appliance's
     # throughput with one replica vs two (--data-parallel-size 2) at twice the concurrency.
     attn) wait $WARM; stage attn 200 python3 scripts/gpu/bench_decode_attention.py --json "$RUN/attn.json" ;;

@@ -8,7 +8,9 @@
 # RANGE_RATIO (0: fixed lengths; R draws each request's lengths from [L*(1-R), L*(1+R)], bench_serving's
 # --random-range-ratio, so that requests under CONCURRENCY do not all finish and arrive together),
 # MORE (further benchmarks against the same server, each SUFFIX:CONCURRENCY:RANGE_RATIO:NUM_PROMPTS:OUTPUT_LEN,
-# written to NAME-SUFFIX.json).
+# written to NAME-SUFFIX.json), PYSPY_BENCH and PYSPY_S (py-spy, when installed, samples the worker and the
+# scheduler for PYSPY_S seconds from the start of the MORE benchmark PYSPY_BENCH: NAME-PROCESS.pyspy.txt,
+# collapsed stacks, idle frames included).
 set -uo pipefail
 RUN=${1:?run dir}
 NAME=${2:-serving}
@@ -37,8 +39,17 @@ bench() {  # bench JSON CONCURRENCY RANGE_RATIO NUM_PROMPTS OUTPUT_LEN
     --json "$1" | tail -50  # the whole summary (about 46 lines)
 }
 bench "$RUN/$NAME.json" "${CONCURRENCY:-4}" "${RANGE_RATIO:-0}" "${NUM_PROMPTS:-16}" "${OUTPUT_LEN:-128}"
+profile() {  # profile SUFFIX: py-spy on the engine processes while that benchmark runs
+  [ "$1" = "${PYSPY_BENCH:-}" ] && command -v py-spy > /dev/null || return 0
+  for proc in worker0 scheduler; do
+    pid=$(grep -o "started $proc (pid [0-9]*" "$RUN/$NAME-serve.log" | grep -o "[0-9]*$" | head -1)
+    [ -n "$pid" ] && py-spy record --idle --nonblocking -r 2000 -d "${PYSPY_S:-4}" -f raw \
+      -o "$RUN/$NAME-$proc.pyspy.txt" --pid "$pid" > "$RUN/$NAME-$proc.pyspy.log" 2>&1 &
+  done
+}
 for spec in ${MORE:-}; do
   IFS=: read -r suffix concurrency ratio prompts output_len <<< "$spec"
   echo "## $NAME-$suffix"
+  profile "$suffix"
   bench "$RUN/$NAME-$suffix.json" "$concurrency" "$ratio" "$prompts" "$output_len"
 done

@@ -7,7 +7,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tokenspeed_kernels.gemv import FMA_MAX_M, GemvConfig, gemv, gemv_reference, pick_config
+from tokenspeed_kernels.gemv import (
+    CONVERT_BITS,
+    CONVERT_F16,
+    FMA_MAX_M,
+    GemvConfig,
+    gemv,
+    gemv_reference,
+    pick_config,
+)
 
 from app.worker.layers.linear import Linear
 from app.worker.quantization import quantize_rows
@@ -19,6 +27,10 @@ CONFIGS = [
     None,
     GemvConfig(use_dot=False, block_n=4, block_k=1024, split_k=2),
     GemvConfig(use_dot=True, block_n=32, block_k=256, split_k=4, num_stages=3),
+    GemvConfig(use_dot=True, block_n=64, block_k=256, split_k=2, w_as_a=True),
+    GemvConfig(use_dot=True, block_n=64, block_k=128, split_k=2, w_as_a=True, convert=CONVERT_F16),
+    GemvConfig(use_dot=True, block_n=64, block_k=256, split_k=1, w_as_a=True, convert=CONVERT_BITS),
+    GemvConfig(use_dot=True, block_n=32, block_k=256, split_k=4, convert=CONVERT_BITS),
 ]
 
 
@@ -34,6 +46,8 @@ def test_gemv_in_bf16_matches_float64(n: int, k: int, m: int, config: int, fp8: 
     cfg = CONFIGS[config] or pick_config(m, n, k, torch.float8_e4m3fn if fp8 else torch.bfloat16)
     if not cfg.use_dot and m > FMA_MAX_M:
         pytest.skip("the FMA body serves up to FMA_MAX_M rows")
+    if cfg.convert and not fp8:
+        pytest.skip("the float16 conversions are for FP8 codes")
     gen = torch.Generator(device=CUDA).manual_seed(n + m)
     w = torch.randn(n, k, generator=gen, device=CUDA) * 0.02
     w, scale = quantize_rows(w) if fp8 else (w.to(torch.bfloat16), None)

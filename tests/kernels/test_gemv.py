@@ -12,7 +12,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tokenspeed_kernels.gemv import FMA_MAX_M, MAX_M, GemvConfig, gemv, gemv_reference, pick_config
+from tokenspeed_kernels.gemv import (
+    _E4M3_TO_F16_X256,
+    CONVERT_F16,
+    FMA_MAX_M,
+    MAX_M,
+    GemvConfig,
+    gemv,
+    gemv_reference,
+    pick_config,
+)
 
 from app.worker.quantization import fp8_linear
 from app.worker.quantization.fp8 import quantize_rows
@@ -23,7 +32,9 @@ CONFIGS = {
     "default": None,
     "fma split 3": GemvConfig(use_dot=False, block_n=4, block_k=32, split_k=3),
     "dot split 2": GemvConfig(use_dot=True, block_n=16, block_k=32, split_k=2),
+    "dot, weight as operand A": GemvConfig(use_dot=True, block_n=16, block_k=32, w_as_a=True),
 }
+FP16_CONVERT = GemvConfig(use_dot=True, block_n=16, block_k=32, split_k=2, w_as_a=True, convert=CONVERT_F16)
 
 
 def weight(n: int, k: int, seed: int, fp8: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -51,6 +62,68 @@ def test_gemv_matches_float64(m: int, n: int, k: int, fp8: bool, config: str) ->
         got, want = gemv(x, w, scale, cfg), gemv_reference(x, w, scale)
         assert got.dtype == dtype and got.shape == (m, n)
         assert relative_error(got, want) < REL_TOL[dtype]
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 40, 96), (5, 33, 200)])
+def test_fp8_codes_as_float16_with_prescaled_bf16_x(m: int, n: int, k: int) -> None:
+    """The float16 route for FP8 weights: x is scaled by 2^-8 into float16's range and the product back
+    (float16 x is taken as it is). Runs on float16 x here; bf16 on the GPU."""
+    w, scale = weight(n, k, seed=m, fp8=True)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(3)).to(torch.float16) * 100
+    got, want = gemv(x, w, scale, FP16_CONVERT), gemv_reference(x, w, scale)
+    assert relative_error(got, want) < REL_TOL[torch.float16]
+    with pytest.raises(ValueError, match="float16 conversions serve FP8 weights"):
+        gemv(x, w.to(torch.float16), None, FP16_CONVERT)
+
+
+def _u32(v: int) -> int:
+    return v & 0xFFFFFFFF
+
+
+def _prmt(a: int, b: int, selector: int) -> int:
+    """PTX prmt.b32 (default mode): byte i of the result is byte (nibble i of selector & 7) of b:a."""
+    pool = (b << 32) | a
+    return sum(((pool >> (8 * ((selector >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+
+
+def _run_e4m3_asm(word: int) -> tuple[int, int]:
+    """Executes _E4M3_TO_F16_X256's instructions on one 32-bit word of four codes (the GPU runs the asm)."""
+    regs = {"$2": word, "z": 0}
+    outs = {}
+    for line in _E4M3_TO_F16_X256.strip("{}\n").split(";"):
+        parts = line.replace(",", " ").split()
+        if not parts or parts[0].startswith(".reg"):
+            continue
+        op, dst, *src = parts
+        val = [regs[s] if s in regs else int(s, 0) for s in src]
+        if op == "mov.b32":
+            res = val[0]
+        elif op == "prmt.b32":
+            res = _prmt(*val)
+        elif op == "shr.b32":
+            res = val[0] >> val[1]
+        elif op == "and.b32":
+            res = val[0] & val[1]
+        elif op == "lop3.b32":
+            assert val[3] == 0xEA  # (a & b) | c
+            res = (val[0] & val[1]) | val[2]
+        else:
+            raise AssertionError(f"unexpected instruction {op}")
+        (outs if dst.startswith("$") else regs)[dst] = _u32(res)
+    return outs["$0"], outs["$1"]
+
+
+def test_e4m3_bit_placement_gives_every_code_times_2_to_the_minus_8() -> None:
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]  # e4m3fn has NaN there, never a quantized weight
+    want = codes.view(torch.float8_e4m3fn).double() * 2.0**-8
+    halves = []
+    for i in range(0, len(codes), 4):
+        quad = [int(c) for c in codes[i : i + 4]] + [0] * (4 - len(codes[i : i + 4]))
+        lo, hi = _run_e4m3_asm(sum(c << (8 * j) for j, c in enumerate(quad)))
+        halves += [lo & 0xFFFF, lo >> 16, hi & 0xFFFF, hi >> 16]
+    got = torch.tensor(halves[: len(codes)], dtype=torch.int32).to(torch.int16).view(torch.float16).double()
+    assert torch.equal(got, want)
 
 
 def test_split_k_equals_one_pass() -> None:

@@ -23,6 +23,7 @@
 #                            bf16 and FP8 KV, batch 1 to 384: time and KV read rate vs the copy bandwidth: ~90 s
 #   gemv                     decode-sized GEMVs (kernels/gemv.py) swept per 8B shape and row count, bf16 and FP8
 #                            weights, against cuBLAS and the old FP8 GEMV: GEMV_BUDGET (200) s + ~40 s
+#   tests_gemv               GPU tests of kernels/gemv.py and of the pipelined steps (no host sync at launch): ~60 s
 #   tests_fp8kv              GPU tests of the FP8 KV backends, flashinfer sampling and FP8 GEMMs: ~150 s
 #   tests_tp latency_tp      two GPUs (nvidia-h200-x2): TP=2 GPU tests; batch-1 decode at TP=1 and TP=2
 #   serving_dp               two GPUs: the appliance at 1 replica, then --data-parallel-size 2: ~300 s
@@ -37,7 +38,7 @@ export PYTHONUNBUFFERED=1
 MODEL=configs/models/llama-3.1-8b
 STAGES=${*:-roofline latency_triton tests latency_flashinfer latency_b32 offline hf tests_8b}
 KNOWN=" roofline latency_triton tests latency_flashinfer latency_b32 offline offline_no_overlap latency_fp8 kv_pool \
-offline_1000 offline_1000_g512 offline_1000_fp8 offline_1000_fp8kv offline_b1 hf tests_8b idle serving tests_tp latency_tp serving_dp tests_fp8kv gemv attn "
+offline_1000 offline_1000_g512 offline_1000_fp8 offline_1000_fp8kv offline_b1 hf tests_8b idle serving tests_tp latency_tp serving_dp tests_fp8kv tests_gemv gemv attn "
 for s in $STAGES; do  # every name checked before anything runs
   [[ $KNOWN == *" $s "* ]] || { echo "unknown stage $s; known:$KNOWN"; exit 2; }
 done
@@ -148,7 +149,10 @@ for s in $STAGES; do
     # throughput with one replica vs two (--data-parallel-size 2) at twice the concurrency.
     attn) wait $WARM; stage attn 200 python3 scripts/gpu/bench_decode_attention.py --json "$RUN/attn.json" ;;
     gemv) stage gemv $((${GEMV_BUDGET:-200} + 60)) python3 scripts/gpu/bench_gemv.py --budget-s "${GEMV_BUDGET:-200}" \
+      --weights "${GEMV_WEIGHTS:-bf16,fp8}" \
       --json "$RUN/gemv.json" ;;
+    tests_gemv) stage tests_gemv 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gemv_gpu.py \
+      tests/gpu/test_pipeline_gpu.py ;;
     tests_fp8kv) wait $WARM; stage tests_fp8kv 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_kv_backends.py \
       tests/gpu/test_flashinfer_sampling.py tests/gpu/test_fp8_gpu.py tests/gpu/test_gemv_gpu.py ;;
     tests_tp) wait $WARM; stage tests_tp 200 python3 -m pytest -v -s -p no:cacheprovider -o faulthandler_timeout=100 \

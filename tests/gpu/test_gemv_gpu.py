@@ -66,3 +66,12 @@ def test_linear_gives_torch_linear_numbers(m: int) -> None:
         x = torch.randn(m, 4096, device=CUDA).to(torch.bfloat16)
         got, want = layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias)
     assert got.shape == want.shape and relative_error(got, want) < 1e-2
+
+
+def test_measured_fp8_configs_serve_float32_activations() -> None:
+    """The table's float16 routes would round float32 x: such calls take the native cast instead."""
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    w, scale = quantize_rows(torch.randn(6144, 4096, generator=gen, device=CUDA) * 0.02)
+    x = torch.randn(1, 4096, generator=gen, device=CUDA)
+    assert pick_config(1, 6144, 4096, torch.float8_e4m3fn).convert == CONVERT_F16
+    assert relative_error(gemv(x, w, scale.view(-1)), gemv_reference(x, w, scale.view(-1))) < 1e-5

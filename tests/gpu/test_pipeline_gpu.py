@@ -1,5 +1,6 @@
 """Pipelined worker steps on CUDA with graphs (skipped without CUDA): the same results as plain execute,
-no host sync when a decode step is launched on the common sampling paths, and the idle gap between
+no host sync when a decode step is launched on the common sampling paths (min_tokens, logit bias and
+penalties included), and the idle gap between
 decode steps reported (scripts/gpu/gpu_idle.py measures it at Llama-3.1-8B scale)."""
 
 from __future__ import annotations
@@ -66,9 +67,9 @@ def test_pipelined_steps_match_plain_execute_with_cuda_graphs(model_dir: Path) -
 
 
 COMMON = [
-    SamplingParams(temperature=0.0),
-    SamplingParams(temperature=0.8, top_k=20, seed=1),
-    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.0, min_new_tokens=20),  # EOS masked: mask_tokens
+    SamplingParams(temperature=0.8, top_k=20, seed=1, logit_bias={3: 2.0}),
+    SamplingParams(temperature=1.0, repetition_penalty=1.2, frequency_penalty=0.5),
     SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3),
 ]
 

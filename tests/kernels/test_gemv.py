@@ -90,7 +90,7 @@ def _run_e4m3_asm(word: int) -> tuple[int, int]:
     """Executes _E4M3_TO_F16_X256's instructions on one 32-bit word of four codes (the GPU runs the asm)."""
     regs = {"$2": word, "z": 0}
     outs = {}
-    for line in _E4M3_TO_F16_X256.strip("{}\n").split(";"):
+    for line in _E4M3_TO_F16_X256.value.strip("{}\n").split(";"):
         parts = line.replace(",", " ").split()
         if not parts or parts[0].startswith(".reg"):
             continue

@@ -29,8 +29,11 @@ def add_logit_bias(
 
 
 def mask_tokens(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor) -> None:
-    """logits[rows[i], tokens[i]] = -inf, in place."""
-    logits[rows, tokens] = -torch.inf
+    """logits[rows[i], tokens[i]] = -inf, in place (logits contiguous).
+
+    index_fill_ over the flat view, not logits[rows, tokens] = ...: that index_put_ waits for the device
+    on CUDA, which stalled every pipelined step of a request with min_tokens (its EOS is masked)."""
+    logits.view(-1).index_fill_(0, rows * logits.shape[1] + tokens, -torch.inf)
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from tokenspeed_kernels.gemv import (  # noqa: E402
-    CONVERT_BITS,
     CONVERT_F16,
     CONVERT_NATIVE,
     GemvConfig,
@@ -45,7 +44,7 @@ W_AS_A_TILES = [(64, 128, 4), (64, 256, 3), (64, 256, 4), (64, 512, 2), (128, 12
 
 def candidates(m: int, fp8: bool) -> list[GemvConfig]:
     out = []
-    converts = (CONVERT_F16, CONVERT_BITS) if fp8 else (CONVERT_NATIVE,)  # FP8 cast to bf16: slower (call 2)
+    converts = (CONVERT_F16,) if fp8 else (CONVERT_NATIVE,)  # see kernels/gemv.py's CONVERT_*
     for split in (1, 2, 4):
         if m in FMA_TILES:  # FP8 codes: one tile for reference (the FMA body converts every code in hardware)
             tiles = FMA_TILES[m][-2:-1] if fp8 else FMA_TILES[m]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 from tokenspeed_kernels.gemv import (
-    CONVERT_BITS,
     CONVERT_F16,
     FMA_MAX_M,
     GemvConfig,
@@ -29,8 +28,7 @@ CONFIGS = [
     GemvConfig(use_dot=True, block_n=32, block_k=256, split_k=4, num_stages=3),
     GemvConfig(use_dot=True, block_n=64, block_k=256, split_k=2, w_as_a=True),
     GemvConfig(use_dot=True, block_n=64, block_k=128, split_k=2, w_as_a=True, convert=CONVERT_F16),
-    GemvConfig(use_dot=True, block_n=64, block_k=256, split_k=1, w_as_a=True, convert=CONVERT_BITS),
-    GemvConfig(use_dot=True, block_n=32, block_k=256, split_k=4, convert=CONVERT_BITS),
+    GemvConfig(use_dot=True, block_n=64, block_k=128, split_k=4, convert=CONVERT_F16),
 ]
 
 

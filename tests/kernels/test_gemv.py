@@ -13,7 +13,6 @@ from __future__ import annotations
 import pytest
 import torch
 from tokenspeed_kernels.gemv import (
-    _E4M3_TO_F16_X256,
     CONVERT_F16,
     FMA_MAX_M,
     MAX_M,
@@ -74,56 +73,6 @@ def test_fp8_codes_as_float16_with_prescaled_bf16_x(m: int, n: int, k: int) -> N
     assert relative_error(got, want) < REL_TOL[torch.float16]
     with pytest.raises(ValueError, match="float16 conversions serve FP8 weights"):
         gemv(x, w.to(torch.float16), None, FP16_CONVERT)
-
-
-def _u32(v: int) -> int:
-    return v & 0xFFFFFFFF
-
-
-def _prmt(a: int, b: int, selector: int) -> int:
-    """PTX prmt.b32 (default mode): byte i of the result is byte (nibble i of selector & 7) of b:a."""
-    pool = (b << 32) | a
-    return sum(((pool >> (8 * ((selector >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
-
-
-def _run_e4m3_asm(word: int) -> tuple[int, int]:
-    """Executes _E4M3_TO_F16_X256's instructions on one 32-bit word of four codes (the GPU runs the asm)."""
-    regs = {"$2": word, "z": 0}
-    outs = {}
-    for line in _E4M3_TO_F16_X256.value.strip("{}\n").split(";"):
-        parts = line.replace(",", " ").split()
-        if not parts or parts[0].startswith(".reg"):
-            continue
-        op, dst, *src = parts
-        val = [regs[s] if s in regs else int(s, 0) for s in src]
-        if op == "mov.b32":
-            res = val[0]
-        elif op == "prmt.b32":
-            res = _prmt(*val)
-        elif op == "shr.b32":
-            res = val[0] >> val[1]
-        elif op == "and.b32":
-            res = val[0] & val[1]
-        elif op == "lop3.b32":
-            assert val[3] == 0xEA  # (a & b) | c
-            res = (val[0] & val[1]) | val[2]
-        else:
-            raise AssertionError(f"unexpected instruction {op}")
-        (outs if dst.startswith("$") else regs)[dst] = _u32(res)
-    return outs["$0"], outs["$1"]
-
-
-def test_e4m3_bit_placement_gives_every_code_times_2_to_the_minus_8() -> None:
-    codes = torch.arange(256, dtype=torch.uint8)
-    codes = codes[(codes & 0x7F) != 0x7F]  # e4m3fn has NaN there, never a quantized weight
-    want = codes.view(torch.float8_e4m3fn).double() * 2.0**-8
-    halves = []
-    for i in range(0, len(codes), 4):
-        quad = [int(c) for c in codes[i : i + 4]] + [0] * (4 - len(codes[i : i + 4]))
-        lo, hi = _run_e4m3_asm(sum(c << (8 * j) for j, c in enumerate(quad)))
-        halves += [lo & 0xFFFF, lo >> 16, hi & 0xFFFF, hi >> 16]
-    got = torch.tensor(halves[: len(codes)], dtype=torch.int32).to(torch.int16).view(torch.float16).double()
-    assert torch.equal(got, want)
 
 
 def test_split_k_equals_one_pass() -> None:

@@ -37,7 +37,7 @@ mkdir -p "$OUT" "$RUN"
 export PYTHONUNBUFFERED=1
 MODEL=configs/models/llama-3.1-8b
 STAGES=${*:-roofline latency_triton tests latency_flashinfer latency_b32 offline hf tests_8b}
-KNOWN=" roofline latency_triton tests latency_flashinfer latency_b32 offline offline_no_overlap latency_fp8 kv_pool \
+KNOWN=" roofline latency_triton tests latency_flashinfer latency_b4 latency_b32 offline offline_no_overlap latency_fp8 kv_pool \
 offline_1000 offline_1000_g512 offline_1000_fp8 offline_1000_fp8kv offline_b1 hf tests_8b idle serving tests_tp latency_tp serving_dp tests_fp8kv tests_gemv gemv attn "
 for s in $STAGES; do  # every name checked before anything runs
   [[ $KNOWN == *" $s "* ]] || { echo "unknown stage $s; known:$KNOWN"; exit 2; }
@@ -120,6 +120,7 @@ for s in $STAGES; do
       wait $WARM
       latency latency_flashinfer_b1 flashinfer 1
       stage tests_flashinfer 70 python3 -m pytest -q -p no:cacheprovider tests/gpu -k "flashinfer and not 8b" ;;
+    latency_b4) wait $WARM; latency latency_flashinfer_b4 flashinfer 4 ;;
     latency_b32) wait $WARM; latency latency_flashinfer_b32 flashinfer 32; latency latency_triton_b32 triton 32 ;;
     # One request in process: the overlapped engine loop's batch-1 step, without the appliance's processes.
     offline_b1) wait $WARM; run_offline offline_b1 120 --num-requests 1 --input-len 1024 --output-len 512 --max-num-seqs 8 ;;

@@ -11,10 +11,12 @@ Layouts: q [B, Hq, D] (head and dim strides may be views); caches [num_blocks, p
 contiguous; block_tables [B, W] int32; seq_lens [B] int32, each >= 1 (the context includes the new
 token, whose K/V must already be in the cache).
 
-An FP8 cache (float8_e4m3fn codes, value = code x scale) is read by casting its tiles to q's dtype
-(exact: every e4m3 value is a float16 / bfloat16 value) and folding the per-layer scales in, as the
-torch backend does: k_scale into the softmax scale (q . (K k_scale) = (q . K) k_scale) and v_scale
-into the output (softmax(s) (V v_scale) = (softmax(s) V) v_scale). Accumulation stays float32.
+An FP8 cache (float8_e4m3fn codes, value = code x scale) is read by casting its tiles to float16
+(exact: every e4m3 value is a float16 value; the cast to bfloat16 streams at about half the rate on the
+H200, see kernels/gemv.py) and folding the per-layer scales in, as the torch backend does: k_scale into
+the softmax scale (q . (K k_scale) = (q . K) k_scale) and v_scale into the output (softmax(s) (V v_scale)
+= (softmax(s) V) v_scale). A bfloat16 q goes to float16 scaled by 2^-8 (exact, a power of two, and into
+float16's range), the 2^8 folded into the softmax scale too. Accumulation stays float32.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import check_kv_scales, check_last_dim_contiguous, dot_precision, next_power_of_2
+from .common import FP8_DTYPE, check_kv_scales, check_last_dim_contiguous, dot_precision, next_power_of_2
 
 BLOCK_N = 64  # context tokens per tile (128 for an FP8 cache measured the same on the H200: 0.46 of copy)
 
@@ -53,6 +55,7 @@ def _decode_split_kernel(
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
+    Q_TO_F16: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -69,6 +72,8 @@ def _decode_split_kernel(
     heads = kvh * GROUP + offs_g
     q_mask = g_mask[:, None] & d_mask[None, :]
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
+    if Q_TO_F16:  # an FP8 cache with bfloat16 q: float16 operands (see the module docstring)
+        q = (q.to(tl.float32) * 0.00390625).to(tl.float16)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -168,12 +173,15 @@ def paged_decode_attention(
     part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     block_d = max(next_power_of_2(head_dim), 16)
+    q_to_f16 = k_cache.dtype == FP8_DTYPE and q.dtype == torch.bfloat16
+    if q_to_f16:
+        scale = scale * 256.0  # q was scaled by 2^-8
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse,
         scale * k_scale, v_scale, q.stride(0), q.stride(1), block_tables.stride(0), num_splits,
         GROUP=group, GROUP_PAD=max(next_power_of_2(group), 16), NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=k_cache.shape[1], BLOCK_N=BLOCK_N,
-        PRECISION=dot_precision(q.dtype),
+        PRECISION=dot_precision(q.dtype), Q_TO_F16=q_to_f16,
     )  # fmt: skip
     _decode_merge_kernel[(batch, num_heads)](
         part_out, part_lse, out, out.stride(0), out.stride(1), num_splits,

@@ -101,7 +101,8 @@ def fp8_cache(
     return (k * 40).clamp(-448, 448).to(FP8), (v * 0.01).to(FP8), table
 
 
-@pytest.mark.parametrize("dtype", INTERPRETED_DTYPES)
+# bfloat16 queries too: the decode kernel multiplies float16 operands for an FP8 cache.
+@pytest.mark.parametrize("dtype", [*INTERPRETED_DTYPES, torch.bfloat16])
 @pytest.mark.parametrize(("k_scale", "v_scale"), SCALES)
 def test_decode_reads_an_fp8_cache(dtype: torch.dtype, k_scale: float, v_scale: float) -> None:
     gen = torch.Generator().manual_seed(5)

@@ -62,7 +62,7 @@ DECODE_KERNELS = ("triton", "tensor_cores", "cuda_cores")  # see the module docs
 
 
 def default_decode_kernel(kv_dtype: torch.dtype) -> str:
-    return "tensor_cores" if kv_dtype == FP8_KV_DTYPE else "triton"
+    return "triton"  # EXPERIMENT (session 4 call 6): FP8 through float16 in the Triton kernel
 
 
 def import_flashinfer() -> Any:

@@ -19,7 +19,8 @@ H200, 384 sequences of 1500 tokens, share of the copy bandwidth):
 - a 16-bit cache: our Triton split-K decode kernel (the triton backend's decode path, 0.99), ahead
   of flashinfer's CUDA-core decode kernel (0.69) and its tensor-core path on FA3 (0.21);
 - an FP8 cache: flashinfer's tensor-core path, i.e. its FA2 prefill kernels with one query row per
-  sequence (0.56), ahead of Triton (0.46) and the CUDA-core kernel (0.28).
+  sequence (0.56), ahead of Triton (0.52 with float16 operands; the offline 1000 x 1000 run ties) and the
+  CUDA-core kernel (0.28).
 `decode_kernel` ("triton", "tensor_cores", "cuda_cores") overrides the choice.
 
 FP8 KV cache (float8_e4m3fn codes, per-layer scales): the wrappers are planned with
@@ -62,7 +63,7 @@ DECODE_KERNELS = ("triton", "tensor_cores", "cuda_cores")  # see the module docs
 
 
 def default_decode_kernel(kv_dtype: torch.dtype) -> str:
-    return "triton"  # EXPERIMENT (session 4 call 6): FP8 through float16 in the Triton kernel
+    return "tensor_cores" if kv_dtype == FP8_KV_DTYPE else "triton"
 
 
 def import_flashinfer() -> Any:

@@ -14,25 +14,24 @@ import random
 import statistics
 import subprocess
 import sys
-import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from scripts import bench_serving
+from tests.support.threaded_server import ThreadedServer
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB, MIN_ID = 500, 100
 
 
-class FakeServer:
+class FakeServer(ThreadedServer):
     """/v1/models and a streaming /v1/completions; keeps every request body it was sent."""
 
     def __init__(self) -> None:
@@ -43,9 +42,7 @@ class FakeServer:
                 Route("/v1/completions", self.completions, methods=["POST"]),
             ]
         )
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        super().__init__(app, lifespan="off")
 
     async def models(self, request: Request) -> JSONResponse:
         return JSONResponse({"data": [{"id": "fake"}]})
@@ -64,20 +61,6 @@ class FakeServer:
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
-
-    def __enter__(self) -> FakeServer:
-        self.thread.start()
-        for _ in range(500):
-            if self.server.started:
-                break
-            self.thread.join(0.01)
-        assert self.server.started, "uvicorn did not start"
-        self.url = f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
         assert not self.thread.is_alive()
 
 

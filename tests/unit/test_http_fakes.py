@@ -16,7 +16,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import httpx
-import uvicorn
 
 from app import protocol
 from app.http.engine_client import BaseEngineClient
@@ -32,6 +31,7 @@ from app.protocol import (
     TextDeltas,
     TokenLogprobs,
 )
+from tests.support.threaded_server import ThreadedServer
 
 MODEL = "tiny-model"
 MODEL_PATH = "/models/tiny"
@@ -179,30 +179,13 @@ class FakeEngine(BaseEngineClient):
         return [m for m in self.sent if isinstance(m, ControlRequest)]
 
 
-class LiveServer:
+class LiveServer(ThreadedServer):
     """A real uvicorn on a free port, in a thread, serving build_app around a FakeEngine."""
 
     def __init__(self, engine: FakeEngine, **setting_overrides: Any) -> None:
         self.engine = engine
         self.app = build_app(settings(**setting_overrides), engine)
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=0, lifespan="on", log_level="warning")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> LiveServer:
-        self.thread.start()
-        for _ in range(500):
-            if self.server.started:
-                break
-            self.thread.join(0.01)
-        assert self.server.started, "uvicorn did not start"
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
+        super().__init__(self.app)
         assert not self.thread.is_alive()
 
 

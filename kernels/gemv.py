@@ -36,13 +36,6 @@ WEIGHT_DTYPES = (torch.float16, torch.bfloat16, FP8_DTYPE)
 _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-# How the DOT body feeds the tensor cores (GemvConfig.convert). FP8 codes cast to bfloat16 stream at about
-# half the rate of a cast to float16 (one hardware conversion per two codes) on the H200; a float16 built
-# from the codes' bits with integer instructions measured slower still (session 4, call 3).
-CONVERT_NATIVE = 0  # W cast to x's dtype
-CONVERT_F16 = 1  # FP8 W cast to float16; x as float16
-
-
 @dataclass(frozen=True)
 class GemvConfig:
     use_dot: bool
@@ -51,8 +44,11 @@ class GemvConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    w_as_a: bool = False  # DOT: y^T = W x^T, the weight as the tensor cores' register operand
-    convert: int = CONVERT_NATIVE  # DOT with FP8 weights: how the codes reach the tensor cores
+    w_as_a: bool = False  # DOT: y^T = W x^T, the weight tile as operand A (faster on some shapes)
+    # DOT with FP8 codes: multiply in float16 (W and x cast to it) rather than in x's dtype. On the H200
+    # codes cast to bfloat16 stream at about half the rate of a cast to float16 (one hardware conversion
+    # per two codes); a float16 built from the codes' bits by integer instructions measured slower still.
+    fp16_operands: bool = False
 
     def block_m(self, m: int) -> int:
         return 16 if self.use_dot else triton.next_power_of_2(m)
@@ -63,7 +59,7 @@ def _gemv_kernel(
     x_ptr, w_ptr, scale_ptr, out_ptr,
     M, N, K, K_PER_SPLIT,
     stride_xm, stride_wn, stride_om, stride_os,
-    HAS_SCALE: tl.constexpr, USE_DOT: tl.constexpr, W_AS_A: tl.constexpr, CONVERT: tl.constexpr,
+    HAS_SCALE: tl.constexpr, USE_DOT: tl.constexpr, W_AS_A: tl.constexpr, FP16_OPERANDS: tl.constexpr,
     X_PRESCALE: tl.constexpr, OUT_FACTOR: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
@@ -95,14 +91,14 @@ def _gemv_kernel(
             w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         if USE_DOT:
-            if CONVERT == 0:
-                w = w.to(x.dtype)
-            else:
+            if FP16_OPERANDS:
                 if X_PRESCALE:  # bfloat16 x into float16's range; exact (a power of two)
                     x = x.to(tl.float32) * 0.00390625
                 x = x.to(tl.float16)
                 w = w.to(tl.float16)
-            if W_AS_A:  # the weight as the register operand: no round trip through shared memory
+            else:
+                w = w.to(x.dtype)
+            if W_AS_A:
                 acc += tl.dot(w, tl.trans(x), input_precision=PRECISION)
             else:
                 acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
@@ -157,22 +153,22 @@ _MEASURED: dict[tuple[str, int, int, int], GemvConfig] = {
     ("16", 16, 6144, 4096): GemvConfig(True, 64, 256, 1, 4, 4, True),
     ("16", 16, 4096, 4096): GemvConfig(True, 64, 128, 2, 4, 4, True),
     # FP8 codes: call 3 (the float16 cast wins everywhere but o at one row).
-    ("fp8", 1, 6144, 4096): GemvConfig(True, 64, 128, 4, 4, 4, False, CONVERT_F16),
+    ("fp8", 1, 6144, 4096): GemvConfig(True, 64, 128, 4, 4, 4, False, True),
     ("fp8", 1, 4096, 4096): GemvConfig(False, 8, 1024, 1, 4, 3),
-    ("fp8", 1, 28672, 4096): GemvConfig(True, 64, 128, 1, 4, 4, False, CONVERT_F16),
-    ("fp8", 1, 4096, 14336): GemvConfig(True, 64, 128, 4, 4, 4, False, CONVERT_F16),
-    ("fp8", 4, 6144, 4096): GemvConfig(True, 64, 128, 4, 4, 4, False, CONVERT_F16),
-    ("fp8", 4, 4096, 4096): GemvConfig(True, 64, 128, 4, 4, 4, False, CONVERT_F16),
-    ("fp8", 4, 28672, 4096): GemvConfig(True, 64, 128, 1, 4, 4, False, CONVERT_F16),
-    ("fp8", 4, 4096, 14336): GemvConfig(True, 32, 256, 4, 4, 3, True, CONVERT_F16),
-    ("fp8", 8, 6144, 4096): GemvConfig(True, 64, 128, 4, 4, 4, False, CONVERT_F16),
-    ("fp8", 8, 4096, 4096): GemvConfig(True, 64, 128, 4, 4, 4, False, CONVERT_F16),
-    ("fp8", 8, 28672, 4096): GemvConfig(True, 64, 128, 1, 4, 4, False, CONVERT_F16),
-    ("fp8", 8, 4096, 14336): GemvConfig(True, 64, 128, 4, 4, 4, False, CONVERT_F16),
-    ("fp8", 16, 6144, 4096): GemvConfig(True, 64, 128, 4, 4, 4, False, CONVERT_F16),
-    ("fp8", 16, 4096, 4096): GemvConfig(True, 64, 128, 4, 4, 4, False, CONVERT_F16),
-    ("fp8", 16, 28672, 4096): GemvConfig(True, 64, 128, 1, 4, 4, False, CONVERT_F16),
-    ("fp8", 16, 4096, 14336): GemvConfig(True, 64, 128, 4, 4, 4, False, CONVERT_F16),
+    ("fp8", 1, 28672, 4096): GemvConfig(True, 64, 128, 1, 4, 4, False, True),
+    ("fp8", 1, 4096, 14336): GemvConfig(True, 64, 128, 4, 4, 4, False, True),
+    ("fp8", 4, 6144, 4096): GemvConfig(True, 64, 128, 4, 4, 4, False, True),
+    ("fp8", 4, 4096, 4096): GemvConfig(True, 64, 128, 4, 4, 4, False, True),
+    ("fp8", 4, 28672, 4096): GemvConfig(True, 64, 128, 1, 4, 4, False, True),
+    ("fp8", 4, 4096, 14336): GemvConfig(True, 32, 256, 4, 4, 3, True, True),
+    ("fp8", 8, 6144, 4096): GemvConfig(True, 64, 128, 4, 4, 4, False, True),
+    ("fp8", 8, 4096, 4096): GemvConfig(True, 64, 128, 4, 4, 4, False, True),
+    ("fp8", 8, 28672, 4096): GemvConfig(True, 64, 128, 1, 4, 4, False, True),
+    ("fp8", 8, 4096, 14336): GemvConfig(True, 64, 128, 4, 4, 4, False, True),
+    ("fp8", 16, 6144, 4096): GemvConfig(True, 64, 128, 4, 4, 4, False, True),
+    ("fp8", 16, 4096, 4096): GemvConfig(True, 64, 128, 4, 4, 4, False, True),
+    ("fp8", 16, 28672, 4096): GemvConfig(True, 64, 128, 1, 4, 4, False, True),
+    ("fp8", 16, 4096, 14336): GemvConfig(True, 64, 128, 4, 4, 4, False, True),
 }
 
 
@@ -205,13 +201,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     n = weight.shape[0]
     _check(x, weight, scale, m, k, n)
     cfg = config or pick_config(m, n, k, weight.dtype)
-    if config is None and cfg.convert != CONVERT_NATIVE and x.dtype == torch.float32:
-        cfg = replace(cfg, convert=CONVERT_NATIVE)  # float32 x keeps its precision
+    if config is None and cfg.fp16_operands and x.dtype == torch.float32:
+        cfg = replace(cfg, fp16_operands=False)  # float32 x keeps its precision
     if cfg.split_k < 1 or (cfg.use_dot and m > 16) or (not cfg.use_dot and m > FMA_MAX_M):
         raise ValueError(f"config {cfg} cannot serve {m} rows")
-    fp16_path = cfg.convert != CONVERT_NATIVE
+    fp16_path = cfg.fp16_operands
     if fp16_path and (not cfg.use_dot or weight.dtype != FP8_DTYPE or x.dtype not in (torch.float16, torch.bfloat16)):
-        raise ValueError(f"config {cfg}: the float16 conversions serve FP8 weights, 16-bit x and the DOT body")
+        raise ValueError(f"config {cfg}: float16 operands serve FP8 weights, 16-bit x and the DOT body")
     prescale = fp16_path and x.dtype == torch.bfloat16
     out_factor = 256.0 if prescale else 1.0
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -224,7 +220,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), splits)](
         x, weight, scale_arg, out, m, n, k, k_per_split, x.stride(0), weight.stride(0),
         out.stride(-2), out.stride(0) if partial else 0,
-        HAS_SCALE=scale is not None, USE_DOT=cfg.use_dot, W_AS_A=cfg.w_as_a, CONVERT=cfg.convert,
+        HAS_SCALE=scale is not None, USE_DOT=cfg.use_dot, W_AS_A=cfg.w_as_a, FP16_OPERANDS=fp16_path,
         X_PRESCALE=prescale, OUT_FACTOR=out_factor, PARTIAL=partial, EVEN_K=k % cfg.block_k == 0,
         PRECISION=dot_precision(torch.float16 if fp16_path else x.dtype), BLOCK_M=cfg.block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -23,8 +23,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from tokenspeed_kernels.gemv import (  # noqa: E402
-    CONVERT_F16,
-    CONVERT_NATIVE,
     GemvConfig,
     gemv,
     gemv_reference,
@@ -44,16 +42,14 @@ W_AS_A_TILES = [(64, 128, 4), (64, 256, 3), (64, 256, 4), (64, 512, 2), (128, 12
 
 def candidates(m: int, fp8: bool) -> list[GemvConfig]:
     out = []
-    converts = (CONVERT_F16,) if fp8 else (CONVERT_NATIVE,)  # see kernels/gemv.py's CONVERT_*
     for split in (1, 2, 4):
         if m in FMA_TILES:  # FP8 codes: one tile for reference (the FMA body converts every code in hardware)
             tiles = FMA_TILES[m][-2:-1] if fp8 else FMA_TILES[m]
             out += [GemvConfig(False, bn, bk, split, warps, 3) for bn, bk in tiles for warps in ((4,) if fp8 else (4, 8))]
-        for convert in converts:
-            if m > 1 or fp8:
-                out += [GemvConfig(True, bn, bk, split, 4, stages, False, convert) for bn, bk, stages in DOT_TILES]
-            out += [GemvConfig(True, bn, bk, split, warps, stages, True, convert)
-                    for bn, bk, stages in W_AS_A_TILES for warps in ((4, 8) if bn == 128 else (4,))]
+        if m > 1 or fp8:  # FP8 codes: float16 operands (GemvConfig.fp16_operands says why)
+            out += [GemvConfig(True, bn, bk, split, 4, stages, False, fp8) for bn, bk, stages in DOT_TILES]
+        out += [GemvConfig(True, bn, bk, split, warps, stages, True, fp8)
+                for bn, bk, stages in W_AS_A_TILES for warps in ((4, 8) if bn == 128 else (4,))]
     return out
 
 
@@ -167,7 +163,7 @@ def main() -> None:
             faster = r["weights"] == "fp8" or r["best_ms"] < r["cublas_ms"]
             print(f"    {'' if faster else '# cuBLAS faster: '}(\"{'fp8' if r['weights'] == 'fp8' else '16'}\", {r['m']}, "
                   f"{r['n']}, {r['k']}): GemvConfig({c['use_dot']}, {c['block_n']}, {c['block_k']}, {c['split_k']}, "
-                  f"{c['num_warps']}, {c['num_stages']}, {c['w_as_a']}, {c['convert']}),")
+                  f"{c['num_warps']}, {c['num_stages']}, {c['w_as_a']}, {c['fp16_operands']}),")
     print("}")
     cublas = {(r["layer"], r["m"]): r["cublas_ms"] for r in rows if "cublas_ms" in r}
     print("| weights | m | layer | best ms | TB/s | default ms | cuBLAS bf16 ms | best / cuBLAS time | configs timed |")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 from tokenspeed_kernels.gemv import (
-    CONVERT_F16,
     FMA_MAX_M,
     GemvConfig,
     gemv,
@@ -27,8 +26,8 @@ CONFIGS = [
     GemvConfig(use_dot=False, block_n=4, block_k=1024, split_k=2),
     GemvConfig(use_dot=True, block_n=32, block_k=256, split_k=4, num_stages=3),
     GemvConfig(use_dot=True, block_n=64, block_k=256, split_k=2, w_as_a=True),
-    GemvConfig(use_dot=True, block_n=64, block_k=128, split_k=2, w_as_a=True, convert=CONVERT_F16),
-    GemvConfig(use_dot=True, block_n=64, block_k=128, split_k=4, convert=CONVERT_F16),
+    GemvConfig(use_dot=True, block_n=64, block_k=128, split_k=2, w_as_a=True, fp16_operands=True),
+    GemvConfig(use_dot=True, block_n=64, block_k=128, split_k=4, fp16_operands=True),
 ]
 
 
@@ -44,8 +43,8 @@ def test_gemv_in_bf16_matches_float64(n: int, k: int, m: int, config: int, fp8: 
     cfg = CONFIGS[config] or pick_config(m, n, k, torch.float8_e4m3fn if fp8 else torch.bfloat16)
     if not cfg.use_dot and m > FMA_MAX_M:
         pytest.skip("the FMA body serves up to FMA_MAX_M rows")
-    if cfg.convert and not fp8:
-        pytest.skip("the float16 conversions are for FP8 codes")
+    if cfg.fp16_operands and not fp8:
+        pytest.skip("float16 operands are for FP8 codes")
     gen = torch.Generator(device=CUDA).manual_seed(n + m)
     w = torch.randn(n, k, generator=gen, device=CUDA) * 0.02
     w, scale = quantize_rows(w) if fp8 else (w.to(torch.bfloat16), None)
@@ -71,5 +70,5 @@ def test_measured_fp8_configs_serve_float32_activations() -> None:
     gen = torch.Generator(device=CUDA).manual_seed(0)
     w, scale = quantize_rows(torch.randn(6144, 4096, generator=gen, device=CUDA) * 0.02)
     x = torch.randn(1, 4096, generator=gen, device=CUDA)
-    assert pick_config(1, 6144, 4096, torch.float8_e4m3fn).convert == CONVERT_F16
+    assert pick_config(1, 6144, 4096, torch.float8_e4m3fn).fp16_operands
     assert relative_error(gemv(x, w, scale.view(-1)), gemv_reference(x, w, scale.view(-1))) < 1e-5

@@ -13,7 +13,6 @@ from __future__ import annotations
 import pytest
 import torch
 from tokenspeed_kernels.gemv import (
-    CONVERT_F16,
     FMA_MAX_M,
     MAX_M,
     GemvConfig,
@@ -33,7 +32,7 @@ CONFIGS = {
     "dot split 2": GemvConfig(use_dot=True, block_n=16, block_k=32, split_k=2),
     "dot, weight as operand A": GemvConfig(use_dot=True, block_n=16, block_k=32, w_as_a=True),
 }
-FP16_CONVERT = GemvConfig(use_dot=True, block_n=16, block_k=32, split_k=2, w_as_a=True, convert=CONVERT_F16)
+FP16_OPERANDS = GemvConfig(use_dot=True, block_n=16, block_k=32, split_k=2, w_as_a=True, fp16_operands=True)
 
 
 def weight(n: int, k: int, seed: int, fp8: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -69,10 +68,10 @@ def test_fp8_codes_as_float16_with_prescaled_bf16_x(m: int, n: int, k: int) -> N
     (float16 x is taken as it is). Runs on float16 x here; bf16 on the GPU."""
     w, scale = weight(n, k, seed=m, fp8=True)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(3)).to(torch.float16) * 100
-    got, want = gemv(x, w, scale, FP16_CONVERT), gemv_reference(x, w, scale)
+    got, want = gemv(x, w, scale, FP16_OPERANDS), gemv_reference(x, w, scale)
     assert relative_error(got, want) < REL_TOL[torch.float16]
-    with pytest.raises(ValueError, match="float16 conversions serve FP8 weights"):
-        gemv(x, w.to(torch.float16), None, FP16_CONVERT)
+    with pytest.raises(ValueError, match="float16 operands serve FP8 weights"):
+        gemv(x, w.to(torch.float16), None, FP16_OPERANDS)
 
 
 def test_split_k_equals_one_pass() -> None:

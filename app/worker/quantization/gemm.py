@@ -9,7 +9,8 @@ Two implementations of the same numbers:
   K and N must be multiples of 16 (layers that are not fall back to EMULATED).
   Decode-sized batches (<= GEMV_MAX_ROWS rows) are bound by reading the weights, and cuBLAS's FP8
   GEMM is slow there: they run kernels/gemv.py instead, which reads the codes once and multiplies
-  them, cast to the activation dtype, with the unquantized activations (W8A16: no per-token quantize,
+  them, cast in registers (to float16 on the measured shapes: see that module), with the unquantized
+  activations (W8A16: no per-token quantize,
   at least the W8A8 path's accuracy; static input scales are not applied).
 - EMULATED: anywhere else (CPU, older GPUs): the codes cast to the activation dtype (exact: every
   e4m3 value is a bf16/fp16/fp32 value), one matmul, the scales applied in float32. The activations

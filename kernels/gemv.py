@@ -181,16 +181,21 @@ def measured_config(m: int, n: int, k: int, weight_dtype: torch.dtype) -> GemvCo
 
 
 def pick_config(m: int, n: int, k: int, weight_dtype: torch.dtype) -> GemvConfig:
-    """The measured configuration for this shape, else one that keeps a few programs per SM busy."""
+    """The measured configuration for this shape, else a default. For FP8 codes the default is the
+    configuration that came within 7% of the best on every measured shape and row count: 64-row
+    tiles with float16 operands, split 4 ways along K unless N alone gives enough programs (N of
+    28672: 448 tiles)."""
     found = measured_config(m, n, k, weight_dtype)
     if found is not None:
         return found
     if _INTERPRETING:
         return GemvConfig(use_dot=m > FMA_MAX_M, block_n=16, block_k=64)
-    block_k = 1024 if weight_dtype == FP8_DTYPE else 512
+    if weight_dtype == FP8_DTYPE:
+        split = 1 if triton.cdiv(n, 64) >= 256 else 4
+        return GemvConfig(True, 64, 128, split, 4, 4, fp16_operands=True)
     if m <= FMA_MAX_M:
-        return GemvConfig(use_dot=False, block_n=max(1, 8 // triton.next_power_of_2(m)), block_k=block_k)
-    return GemvConfig(use_dot=True, block_n=16, block_k=block_k // 2, num_stages=4)
+        return GemvConfig(use_dot=False, block_n=max(1, 8 // triton.next_power_of_2(m)), block_k=512)
+    return GemvConfig(use_dot=True, block_n=16, block_k=256, num_stages=4)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,

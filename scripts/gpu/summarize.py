@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 # Output tokens/s of the 1000 x 1000/1000 offline benchmark: the issue's goal, and TRT-LLM's on one
@@ -157,6 +158,20 @@ def gemv_lines(results: dict) -> list[str]:
             for r in results.get("gemv", [])]
 
 
+def pyspy_lines(run: Path, top: int = 5) -> list[str]:
+    """The leaf frames holding most samples in each py-spy profile (serve_and_bench.sh's PYSPY_BENCH)."""
+    lines = []
+    for path in sorted(run.glob("*.pyspy.txt")):
+        leaves: Counter[str] = Counter()
+        for line in path.read_text().splitlines():
+            stack, _, count = line.rpartition(" ")
+            leaves[stack.rsplit(";", 1)[-1]] += int(count)
+        total = sum(leaves.values()) or 1
+        lines.append(f"{path.name}: {total} samples; " + "; ".join(
+            f"{n / total:.0%} {frame}" for frame, n in leaves.most_common(top)))
+    return lines
+
+
 def table(results: dict[str, dict]) -> list[str]:
     ratios = ratio_lines(results)
     dicts = {name: r for name, r in results.items() if isinstance(r, dict)}
@@ -170,7 +185,7 @@ def main() -> None:
     out.write_text(json.dumps(results, indent=2) + "\n")
     for status in sorted(run.glob("*.status")):
         print(f"{status.stem}: {status.read_text().strip()}")
-    print("\n".join(table(results)))
+    print("\n".join(table(results) + pyspy_lines(run)))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ timeouts, the worker's failure policy and fault switch, heartbeats and liveness,
 from __future__ import annotations
 
 import asyncio
+import gc
 import struct
 import time
 from typing import Any
@@ -261,3 +262,13 @@ def test_capacity_counts_every_data_parallel_replica() -> None:
     too_big = asyncio.run(run())
     message = too_big.json()["error"]["message"]
     assert too_big.status_code == 400 and "at most 6" in message and "x --data-parallel-size 2" in message
+
+
+def test_settle_heap_freezes_what_is_alive() -> None:
+    """Each process calls it at ready: the start-up heap leaves the collector's full passes."""
+    gc.unfreeze()
+    try:
+        lifecycle.settle_heap()
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()  # leave the test process as it was

@@ -140,10 +140,10 @@ def _decode_merge_kernel(
     )
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """Enough pieces to give every SM about two programs, each piece at least BLOCK_N tokens."""
+def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int, block_n: int = BLOCK_N) -> int:
+    """Enough pieces to give every SM about two programs, each piece at least block_n tokens."""
     wanted = math.ceil(2 * num_sms / max(batch * num_kv_heads, 1))
-    return max(1, min(wanted, math.ceil(max_seq_len / BLOCK_N), 64))
+    return max(1, min(wanted, math.ceil(max_seq_len / block_n), 64))
 
 
 def paged_decode_attention(
@@ -157,9 +157,14 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    block_n: int = BLOCK_N,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, D] attends its sequence's cached context -> out [B, Hq, D] (q's dtype). k_scale /
-    v_scale: the dequantization scales of an FP8 cache (1.0 otherwise)."""
+    v_scale: the dequantization scales of an FP8 cache (1.0 otherwise). block_n, num_warps, num_stages:
+    the split kernel's tile and launch options (Triton's defaults when None), for tuning benchmarks;
+    num_splits should then come from choose_num_splits(..., block_n)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -176,12 +181,13 @@ def paged_decode_attention(
     q_to_f16 = k_cache.dtype == FP8_DTYPE and q.dtype == torch.bfloat16
     if q_to_f16:
         scale = scale * 256.0  # q was scaled by 2^-8
+    launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse,
         scale * k_scale, v_scale, q.stride(0), q.stride(1), block_tables.stride(0), num_splits,
         GROUP=group, GROUP_PAD=max(next_power_of_2(group), 16), NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=k_cache.shape[1], BLOCK_N=BLOCK_N,
-        PRECISION=dot_precision(q.dtype), Q_TO_F16=q_to_f16,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=k_cache.shape[1], BLOCK_N=block_n,
+        PRECISION=dot_precision(q.dtype), Q_TO_F16=q_to_f16, **launch,
     )  # fmt: skip
     _decode_merge_kernel[(batch, num_heads)](
         part_out, part_lse, out, out.stride(0), out.stride(1), num_splits,

@@ -7,6 +7,10 @@ nothing stays in L2), the KV bytes it must read and the rate that makes, against
 measured in the same run. Before timing, each case's output is checked against the torch backend's.
 
   python3 scripts/gpu/bench_decode_attention.py --json out.json
+
+--triton-configs BLOCK_N:WARPS:STAGES,... times the Triton decode kernel alone under each of those
+launch options instead (the split kernel's context tile, warps and pipeline stages; the merge included),
+for both caches at the 384 x 1500 and 64 x 1500 cases, each checked against the default options' output.
 """
 
 from __future__ import annotations
@@ -81,6 +85,48 @@ def run_case(backend_name: str, kv_dtype: torch.dtype, batch: int, context: int,
             "rel_error": error}  # fmt: skip
 
 
+def run_kernel_case(kv_dtype: torch.dtype, batch: int, context: int, config: str, gen: torch.Generator,
+                    reps: int) -> dict[str, Any]:
+    """The Triton decode kernel alone with one BLOCK_N:WARPS:STAGES option set."""
+    from tokenspeed_kernels.decode_attention import choose_num_splits, paged_decode_attention
+
+    block_n, warps, stages = (int(v) for v in config.split(":"))
+    device = torch.device("cuda")
+    per_seq = math.ceil(context / BLOCK)
+    num_blocks = batch * per_seq + 1
+    caches = [torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, device=device).to(kv_dtype) for _ in range(4)]
+    order = torch.randperm(num_blocks - 1, generator=gen)[: batch * per_seq].to(device, torch.int32)
+    tables = order.view(batch, per_seq)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    q = torch.randn(batch, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+
+    def call(layer: int, tuned: bool) -> torch.Tensor:
+        k, v = caches[2 * layer], caches[2 * layer + 1]
+        if not tuned:
+            return paged_decode_attention(q, k, v, tables, seq_lens, HEAD_DIM**-0.5,
+                                          choose_num_splits(batch, KV_HEADS, context, sms))
+        splits = choose_num_splits(batch, KV_HEADS, context, sms, block_n)
+        return paged_decode_attention(q, k, v, tables, seq_lens, HEAD_DIM**-0.5, splits, block_n=block_n,
+                                      num_warps=warps, num_stages=stages)  # fmt: skip
+
+    expected, out = call(0, False).float(), call(0, True).float()
+    error = ((out - expected).norm() / expected.norm()).item()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        starts[i].record()
+        call(i % 2, True)
+        ends[i].record()
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))[reps // 5:]
+    ms = times[len(times) // 2]
+    kv_bytes = batch * context * KV_HEADS * HEAD_DIM * 2 * caches[0].element_size()
+    return {"backend": f"triton {config}", "kv_dtype": str(kv_dtype).removeprefix("torch."), "batch": batch,
+            "context": context, "ms": ms, "kv_gb": kv_bytes / 1e9, "tb_s": kv_bytes / ms / 1e9,
+            "rel_error": error}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", default="")
@@ -88,12 +134,24 @@ def main() -> None:
     parser.add_argument("--backends", default="flashinfer_cuda_cores,flashinfer_tensor_cores,triton",
                         help="flashinfer_<decode kernel> runs FlashInferAttentionBackend with that decode kernel; "
                         "triton the triton backend")  # fmt: skip
+    parser.add_argument("--triton-configs", default="", help="BLOCK_N:WARPS:STAGES,...: see the module docstring")
     args = parser.parse_args()
     bandwidth = copy_bandwidth(torch.device("cuda"))
     gen = torch.Generator().manual_seed(0)
     rows = []
+    configs = [c for c in args.triton_configs.split(",") if c]
     for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
-        for batch, context in CASES:
+        for batch, context in [(384, 1500), (64, 1500)] if configs else []:
+            for config in configs:
+                try:
+                    row = run_kernel_case(kv_dtype, batch, context, config, gen, args.reps)
+                except Exception as exc:  # a launch option the compiler refuses must not hide the others
+                    row = {"backend": f"triton {config}", "kv_dtype": str(kv_dtype), "batch": batch,
+                           "context": context, "error": f"{type(exc).__name__}: {str(exc)[:200]}"}  # fmt: skip
+                row["of_copy_bandwidth"] = row.get("tb_s", 0.0) * 1e12 / bandwidth
+                rows.append(row)
+                print(json.dumps(row), file=sys.stderr, flush=True)
+        for batch, context in [] if configs else CASES:
             for name in args.backends.split(","):
                 if name == "flashinfer_tensor_cores" and kv_dtype == torch.bfloat16:
                     continue  # FA2 bf16 kernels: ~95 s of nvcc, and FA3 (the cached ones) reads at 0.21 of copy

@@ -61,6 +61,19 @@ def test_decode_matches_reference(
     assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 2e-3)
 
 
+@pytest.mark.parametrize("block_n", [32, 128])
+def test_decode_tile_options(block_n: int) -> None:
+    """Other context tiles (the tuning benchmark's) give the same result; splits follow the tile."""
+    gen = torch.Generator().manual_seed(block_n)
+    lengths = [1, 70, 300]
+    k, v, table = paged_cache(lengths, 16, 2, 32, torch.float32, gen)
+    q = torch.randn(len(lengths), 8, 32, generator=gen)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32)
+    splits = choose_num_splits(len(lengths), 2, max(lengths), num_sms=4, block_n=block_n)
+    out = paged_decode_attention(q, k, v, table, seq_lens, 32**-0.5, splits, block_n=block_n, num_warps=4)
+    assert rel_err(out, paged_decode_attention_reference(q, k, v, table, seq_lens, 32**-0.5)) < 1e-5
+
+
 def test_decode_reads_a_strided_query_view() -> None:
     gen = torch.Generator().manual_seed(7)
     k, v, table = paged_cache([33, 5], 8, 2, 16, torch.float32, gen)

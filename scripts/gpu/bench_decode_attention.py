@@ -8,9 +8,11 @@ measured in the same run. Before timing, each case's output is checked against t
 
   python3 scripts/gpu/bench_decode_attention.py --json out.json
 
---triton-configs BLOCK_N:WARPS:STAGES,... times the Triton decode kernel alone under each of those
+--triton-configs BLOCK_N:WARPS:STAGES[:mma],... times the Triton decode kernel alone under each of those
 launch options instead (the split kernel's context tile, warps and pipeline stages; the merge included),
 for both caches at the 384 x 1500 and 64 x 1500 cases, each checked against the default options' output.
+A trailing :mma runs the FP8 cache's codes on the FP8 tensor cores (paged_decode_attention's fp8_mma;
+FP8 cache only), whose output differs from the default's by a few percent by design.
 """
 
 from __future__ import annotations
@@ -90,7 +92,8 @@ def run_kernel_case(kv_dtype: torch.dtype, batch: int, context: int, config: str
     """The Triton decode kernel alone with one BLOCK_N:WARPS:STAGES option set."""
     from tokenspeed_kernels.decode_attention import choose_num_splits, paged_decode_attention
 
-    block_n, warps, stages = (int(v) for v in config.split(":"))
+    block_n, warps, stages = (int(v) for v in config.split(":")[:3])
+    fp8_mma = config.endswith(":mma")
     device = torch.device("cuda")
     per_seq = math.ceil(context / BLOCK)
     num_blocks = batch * per_seq + 1
@@ -108,7 +111,7 @@ def run_kernel_case(kv_dtype: torch.dtype, batch: int, context: int, config: str
                                           choose_num_splits(batch, KV_HEADS, context, sms))
         splits = choose_num_splits(batch, KV_HEADS, context, sms, block_n)
         return paged_decode_attention(q, k, v, tables, seq_lens, HEAD_DIM**-0.5, splits, block_n=block_n,
-                                      num_warps=warps, num_stages=stages)  # fmt: skip
+                                      num_warps=warps, num_stages=stages, fp8_mma=fp8_mma)  # fmt: skip
 
     expected, out = call(0, False).float(), call(0, True).float()
     error = ((out - expected).norm() / expected.norm()).item()
@@ -143,6 +146,8 @@ def main() -> None:
     for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
         for batch, context in [(384, 1500), (64, 1500)] if configs else []:
             for config in configs:
+                if config.endswith(":mma") and kv_dtype != torch.float8_e4m3fn:
+                    continue
                 try:
                     row = run_kernel_case(kv_dtype, batch, context, config, gen, args.reps)
                 except Exception as exc:  # a launch option the compiler refuses must not hide the others

@@ -164,12 +164,12 @@ class Supervisor:
 
     def _wedged_child(self, watches: dict[str, lifecycle.HeartbeatWatch]) -> Child | None:
         for child in self.children:
-            age, limit = watches[child.name].silent_for(), self.heartbeat_timeout(child.name)
-            if age > limit:
+            silent, limit = watches[child.name].silent_for(), self.heartbeat_timeout(child.name)
+            if silent > limit:
                 flag = "--worker-heartbeat-timeout" if child.name.startswith("worker") else "--heartbeat-timeout"
-                self.failure = f"{child.name} is wedged (no heartbeat for {age:.1f} s)"
+                self.failure = f"{child.name} is wedged (no heartbeat for {silent:.1f} s)"
                 log.error("%s (pid %d) is wedged: no heartbeat for %.1f s (%s %g); stopping the appliance",
-                          child.name, child.process.pid, age, flag, limit)
+                          child.name, child.process.pid, silent, flag, limit)
                 return child
         return None
 

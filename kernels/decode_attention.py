@@ -73,7 +73,6 @@ def _decode_split_kernel(
     heads = kvh * GROUP + offs_g
     q_mask = g_mask[:, None] & d_mask[None, :]
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
-    q_scale = tl.full([GROUP_PAD], 1.0, tl.float32)
     if FP8_MMA:  # q as e4m3 codes with a scale per head (see paged_decode_attention)
         qf = q.to(tl.float32)
         q_scale = tl.maximum(tl.max(tl.abs(qf), 1), 1e-30) / 448.0

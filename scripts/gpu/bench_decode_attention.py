@@ -21,6 +21,7 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -70,19 +71,29 @@ def run_case(backend_name: str, kv_dtype: torch.dtype, batch: int, context: int,
     reference = TorchAttentionBackend(cache, spec)
     expected = reference.forward(0, q, k, v, reference.plan(step))
     error = ((out.float() - expected.float()).norm() / expected.float().norm()).item()
+    forward = backend.forward
+    ms = median_ms(lambda i: forward(i % LAYERS, q, k, v, meta), reps)
+    del cache, backend, reference
+    torch.cuda.empty_cache()
+    return result_row(backend_name, kv_dtype, batch, context, ms, error)
+
+
+def median_ms(call: Callable[[int], Any], reps: int) -> float:
+    """The median of reps calls (call(i), CUDA events), the first fifth left out as warm-up."""
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for i in range(reps):
         starts[i].record()
-        backend.forward(i % LAYERS, q, k, v, meta)
+        call(i)
         ends[i].record()
     torch.cuda.synchronize()
-    times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))[reps // 5:]  # drop warm-up
-    ms = times[len(times) // 2]
-    kv_bytes = batch * context * KV_HEADS * HEAD_DIM * 2 * cache.k[0].element_size()
-    del cache, backend, reference
-    torch.cuda.empty_cache()
-    return {"backend": backend_name, "kv_dtype": str(kv_dtype).removeprefix("torch."), "batch": batch,
+    times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))[reps // 5:]
+    return times[len(times) // 2]
+
+
+def result_row(name: str, kv_dtype: torch.dtype, batch: int, context: int, ms: float, error: float) -> dict[str, Any]:
+    kv_bytes = batch * context * KV_HEADS * HEAD_DIM * 2 * kv_dtype.itemsize
+    return {"backend": name, "kv_dtype": str(kv_dtype).removeprefix("torch."), "batch": batch,
             "context": context, "ms": ms, "kv_gb": kv_bytes / 1e9, "tb_s": kv_bytes / ms / 1e9,
             "rel_error": error}  # fmt: skip
 
@@ -115,19 +126,8 @@ def run_kernel_case(kv_dtype: torch.dtype, batch: int, context: int, config: str
 
     expected, out = call(0, False).float(), call(0, True).float()
     error = ((out - expected).norm() / expected.norm()).item()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        starts[i].record()
-        call(i % 2, True)
-        ends[i].record()
-    torch.cuda.synchronize()
-    times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))[reps // 5:]
-    ms = times[len(times) // 2]
-    kv_bytes = batch * context * KV_HEADS * HEAD_DIM * 2 * caches[0].element_size()
-    return {"backend": f"triton {config}", "kv_dtype": str(kv_dtype).removeprefix("torch."), "batch": batch,
-            "context": context, "ms": ms, "kv_gb": kv_bytes / 1e9, "tb_s": kv_bytes / ms / 1e9,
-            "rel_error": error}  # fmt: skip
+    ms = median_ms(lambda i: call(i % 2, True), reps)
+    return result_row(f"triton {config}", kv_dtype, batch, context, ms, error)
 
 
 def main() -> None:

@@ -101,16 +101,22 @@ def fp8_cache(
     return (k * 40).clamp(-448, 448).to(FP8), (v * 0.01).to(FP8), table
 
 
+def decode_case(dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
+    """q [3, 8, 32] for an FP8 cache of 2 KV heads and pages of 16, contexts of 1, 70 and 131 tokens:
+    (q, k_cache, v_cache, block_table, seq_lens)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [1, 70, 131]
+    k, v, table = fp8_cache(lengths, 16, 2, 32, gen)
+    q = (torch.randn(len(lengths), 8, 32, generator=gen) * 0.05).to(dtype)
+    return q, k, v, table, torch.tensor(lengths, dtype=torch.int32)
+
+
 # bfloat16 queries too: the decode kernel multiplies float16 operands for an FP8 cache.
 @pytest.mark.parametrize("dtype", [*INTERPRETED_DTYPES, torch.bfloat16])
 @pytest.mark.parametrize(("k_scale", "v_scale"), SCALES)
 def test_decode_reads_an_fp8_cache(dtype: torch.dtype, k_scale: float, v_scale: float) -> None:
-    gen = torch.Generator().manual_seed(5)
-    heads, kv_heads, dim, page = 8, 2, 32, 16
-    lengths = [1, 70, 131]
-    k, v, table = fp8_cache(lengths, page, kv_heads, dim, gen)
-    q = (torch.randn(len(lengths), heads, dim, generator=gen) * 0.05).to(dtype)
-    seq_lens = torch.tensor(lengths, dtype=torch.int32)
+    q, k, v, table, seq_lens = decode_case(dtype, seed=5)
+    dim = q.shape[-1]
     out = torch.full_like(q, float("nan"))
     paged_decode_attention(q, k, v, table, seq_lens, dim**-0.5, 3, out=out, k_scale=k_scale, v_scale=v_scale)
     ref = paged_decode_attention_reference(q, k, v, table, seq_lens, dim**-0.5, k_scale, v_scale)
@@ -128,12 +134,8 @@ def test_decode_on_fp8_tensor_cores_stays_close(dtype: torch.dtype, k_scale: flo
     the output is held to 8e-2 relative L2 rather than bf16 rounding (measured: 0.4% at the small scales,
     2% at 1.0, 6% at k_scale 4, whose peaked softmax amplifies the logits' rounding); it still follows
     the scales."""
-    gen = torch.Generator().manual_seed(6)
-    heads, kv_heads, dim, page = 8, 2, 32, 16
-    lengths = [1, 70, 131]
-    k, v, table = fp8_cache(lengths, page, kv_heads, dim, gen)
-    q = (torch.randn(len(lengths), heads, dim, generator=gen) * 0.05).to(dtype)
-    seq_lens = torch.tensor(lengths, dtype=torch.int32)
+    q, k, v, table, seq_lens = decode_case(dtype, seed=6)
+    dim = q.shape[-1]
     out = paged_decode_attention(q, k, v, table, seq_lens, dim**-0.5, 3, k_scale=k_scale, v_scale=v_scale,
                                  fp8_mma=True)  # fmt: skip
     ref = paged_decode_attention_reference(q, k, v, table, seq_lens, dim**-0.5, k_scale, v_scale)

@@ -9,9 +9,9 @@ Two implementations of the same numbers:
   K and N must be multiples of 16 (layers that are not fall back to EMULATED).
   Decode-sized batches (<= GEMV_MAX_ROWS rows) are bound by reading the weights, and cuBLAS's FP8
   GEMM is slow there: they run kernels/gemv.py instead, which reads the codes once and multiplies
-  them, cast in registers (to float16 on the measured shapes: see that module), with the unquantized
-  activations (W8A16: no per-token quantize,
-  at least the W8A8 path's accuracy; static input scales are not applied).
+  them, cast in registers (to float16 for 16-bit activations: see that module), with the unquantized
+  activations (W8A16: no per-token quantize, at least the W8A8 path's accuracy; static input scales
+  are not applied).
 - EMULATED: anywhere else (CPU, older GPUs): the codes cast to the activation dtype (exact: every
   e4m3 value is a bf16/fp16/fp32 value), one matmul, the scales applied in float32. The activations
   go through the same FP8 rounding, so CPU tests see the numerics the GPU runs.
@@ -88,7 +88,7 @@ def _quantized_product(rows: torch.Tensor, weight: torch.Tensor, weight_scale: t
 
 def _weight_only(rows: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
     """Decode-sized batches: the FP8-weight GEMV (activations unquantized; see the module docstring)."""
-    return gemv(rows if rows.stride(-1) == 1 else rows.contiguous(), weight, weight_scale)
+    return gemv(rows, weight, weight_scale)
 
 
 def _emulated(

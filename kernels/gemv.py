@@ -53,6 +53,16 @@ class GemvConfig:
     def block_m(self, m: int) -> int:
         return 16 if self.use_dot else triton.next_power_of_2(m)
 
+    def problem(self, m: int, weight_dtype: torch.dtype, x_dtype: torch.dtype) -> str | None:
+        """Why this configuration cannot serve m rows of x_dtype against weight_dtype (None: it can)."""
+        if self.split_k < 1 or m > (MAX_M if self.use_dot else FMA_MAX_M):
+            return f"config {self} cannot serve {m} rows"
+        if self.fp16_operands and (
+            not self.use_dot or weight_dtype != FP8_DTYPE or x_dtype not in (torch.float16, torch.bfloat16)
+        ):
+            return f"config {self}: float16 operands serve FP8 weights, 16-bit x and the DOT body"
+        return None
+
 
 @triton.jit
 def _gemv_kernel(
@@ -196,10 +206,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     cfg = config or pick_config(m, n, k, weight.dtype)
     if config is None and cfg.fp16_operands and x.dtype == torch.float32:
         cfg = replace(cfg, fp16_operands=False)  # float32 x keeps its precision
-    if cfg.split_k < 1 or (cfg.use_dot and m > 16) or (not cfg.use_dot and m > FMA_MAX_M):
-        raise ValueError(f"config {cfg} cannot serve {m} rows")
-    if cfg.fp16_operands and (not cfg.use_dot or weight.dtype != FP8_DTYPE or x.dtype not in (torch.float16, torch.bfloat16)):
-        raise ValueError(f"config {cfg}: float16 operands serve FP8 weights, 16-bit x and the DOT body")
+    problem = cfg.problem(m, weight.dtype, x.dtype)
+    if problem is not None:
+        raise ValueError(problem)
     prescale = cfg.fp16_operands and x.dtype == torch.bfloat16
     out_factor = 256.0 if prescale else 1.0
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)

@@ -11,9 +11,9 @@ and shapes that are not multiples of the tiles (every mask) are covered. bfloat1
 from __future__ import annotations
 
 import pytest
+import tokenspeed_kernels.gemv as gemv_module
 import torch
 from tokenspeed_kernels.gemv import (
-    FMA_MAX_M,
     MAX_M,
     GemvConfig,
     gemv,
@@ -47,13 +47,17 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
 
-@pytest.mark.parametrize("config", CONFIGS)
+SHAPES = [(1, 40, 96), (3, 33, 200), (16, 24, 130)]
+
+
 @pytest.mark.parametrize("fp8", [False, True], ids=["fp16 weight", "fp8 weight"])
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 40, 96), (3, 33, 200), (16, 24, 130)])
+@pytest.mark.parametrize(
+    ("config", "m", "n", "k"),
+    [(name, *shape) for name, cfg in CONFIGS.items() for shape in SHAPES
+     if cfg is None or cfg.problem(shape[0], torch.float16, torch.float16) is None],  # the FMA body: 4 rows at most
+)  # fmt: skip
 def test_gemv_matches_float64(m: int, n: int, k: int, fp8: bool, config: str) -> None:
     cfg = CONFIGS[config]
-    if cfg is not None and not cfg.use_dot and m > FMA_MAX_M:
-        pytest.skip("the FMA body serves up to FMA_MAX_M rows")
     w, scale = weight(n, k, seed=m + n, fp8=fp8)
     for dtype in ([torch.float32, torch.float16] if fp8 else [torch.float16]):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(dtype)
@@ -83,11 +87,15 @@ def test_split_k_equals_one_pass() -> None:
     assert torch.allclose(whole, split, rtol=1e-6, atol=1e-6)
 
 
-def test_default_configs_serve_every_row_count() -> None:
+def test_chosen_configs_serve_every_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What pick_config gives on a GPU (the measured table, else the defaults) can serve the rows it is
+    picked for: a table entry filed under the wrong row bucket, or a default the kernel refuses, fails."""
+    monkeypatch.setattr(gemv_module, "_INTERPRETING", False)
+    shapes = {(n, k) for (_, _, n, k) in gemv_module._MEASURED} | {(1000, 200)}
     for m in range(1, MAX_M + 1):
         for dtype in (torch.bfloat16, torch.float8_e4m3fn):
-            cfg = pick_config(m, 4096, 4096, dtype)
-            assert cfg.use_dot or m <= FMA_MAX_M
+            for n, k in shapes:
+                assert pick_config(m, n, k, dtype).problem(m, dtype, torch.bfloat16) is None, (m, dtype, n, k)
 
 
 def test_gemv_refuses_what_it_does_not_serve() -> None:

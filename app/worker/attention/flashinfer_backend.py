@@ -21,7 +21,8 @@ H200, 384 sequences of 1500 tokens, share of the copy bandwidth):
 - an FP8 cache: flashinfer's tensor-core path, i.e. its FA2 prefill kernels with one query row per
   sequence (0.56), ahead of Triton (0.52 with float16 operands; the offline 1000 x 1000 run ties) and the
   CUDA-core kernel (0.28).
-`decode_kernel` ("triton", "tensor_cores", "cuda_cores") overrides the choice.
+`decode_kernel` ("triton", "tensor_cores", "cuda_cores") overrides the choice; "tensor_cores" is
+refused for a 16-bit cache (never the faster there, and its FA2 16-bit kernels are not built or tested).
 
 FP8 KV cache (float8_e4m3fn codes, per-layer scales): the wrappers are planned with
 kv_data_type=float8_e4m3fn and the query dtype (AttentionSpec.q_dtype, which must then be set: the
@@ -155,6 +156,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.decode_kernel = decode_kernel or default_decode_kernel(self.kv_dtype)
         if self.decode_kernel not in DECODE_KERNELS:
             raise ValueError(f"decode kernel {self.decode_kernel!r} is not one of {DECODE_KERNELS}")
+        if self.decode_kernel == "tensor_cores" and self.kv_dtype != FP8_KV_DTYPE:
+            # Untested (its FA2 16-bit kernels take ~95 s of nvcc) and never the faster choice here.
+            raise ValueError("decode kernel 'tensor_cores' serves an FP8 cache; a 16-bit cache decodes on "
+                             "'triton' (0.99 of the copy bandwidth) or 'cuda_cores'")
         # Decode steps on the Triton kernel are planned, captured and run by a triton backend on this cache.
         self.triton = TritonAttentionBackend(kv_cache, spec) if self.decode_kernel == "triton" else None
         self.decode_wrapper = (

@@ -33,6 +33,7 @@ from app.worker.quantization import (
 from app.worker.quantization.gemm import GEMV_MAX_ROWS
 from tests.gpu.test_model_runner_gpu import LLAMA_31_8B, settings
 from tests.support.model_factory import build_tiny_model, write_fp8_checkpoint
+from tests.support.numerics import relative_error
 from tests.unit.test_model_runner import Request, ScriptedScheduler, prompts_for
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -47,9 +48,6 @@ needs_scaled_mm = pytest.mark.skipif(
     not torch.cuda.is_available() or fp8_gemm_here() == EMULATED, reason="needs compute capability >= 8.9"
 )
 
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.float() - want.float()).norm() / want.float().norm())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

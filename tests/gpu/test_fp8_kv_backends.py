@@ -31,6 +31,7 @@ from app.worker.model_runner import ModelRunner
 from app.worker.quantization.calibrate import calibrate_kv_scales
 from tests.gpu.test_backends_gpu import BACKENDS, run_requests, settings
 from tests.support.model_factory import build_tiny_model
+from tests.support.numerics import relative_error as rel_err
 from tests.unit.test_model_runner import Request, ScriptedScheduler, prompts_for
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -48,9 +49,6 @@ def free_gpu_memory() -> Iterator[None]:
     gc.collect()
     torch.cuda.empty_cache()
 
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.float() - ref.float()).norm() / ref.float().norm())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

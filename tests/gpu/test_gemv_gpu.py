@@ -16,6 +16,7 @@ from tokenspeed_kernels.gemv import (
 
 from app.worker.layers.linear import Linear
 from app.worker.quantization import quantize_rows
+from tests.support.numerics import relative_error
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 CUDA = torch.device("cuda", 0)
@@ -29,9 +30,6 @@ CONFIGS = [
     GemvConfig(use_dot=True, block_n=64, block_k=128, split_k=4, fp16_operands=True),
 ]
 
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.double() - want.double()).norm() / want.double().norm())
 
 
 def weight_dtype(fp8: bool) -> torch.dtype:

@@ -15,6 +15,8 @@ from tokenspeed_kernels.kv_write import write_kv, write_kv_reference
 from tokenspeed_kernels.page_table import flatten_block_tables, flatten_block_tables_reference
 from tokenspeed_kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_reference
 
+from tests.support.numerics import relative_error as rel_err
+
 
 def paged_cache(
     lengths: list[int], page: int, kv_heads: int, dim: int, dtype: torch.dtype, gen: torch.Generator
@@ -33,9 +35,6 @@ def paged_cache(
     v = torch.randn(total, page, kv_heads, dim, generator=gen).to(dtype)
     return k, v, table
 
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.float() - ref.float()).norm() / ref.float().norm())
 
 
 @pytest.mark.parametrize(

@@ -33,8 +33,9 @@ from app.worker.attention.flashinfer_backend import query_and_kv_dtypes
 from app.worker.kv_cache import KVCache, KVCacheSpec
 from app.worker.model_runner import ModelRunner
 from app.worker.quantization import fp8_kv_backend
-from tests.kernels.test_attention_kernels import paged_cache, rel_err
+from tests.kernels.test_attention_kernels import paged_cache
 from tests.support.model_factory import build_tiny_model
+from tests.support.numerics import relative_error as rel_err
 from tests.unit.test_model_runner import Request, ScriptedScheduler, make_settings, prompts_for
 
 FP8 = torch.float8_e4m3fn

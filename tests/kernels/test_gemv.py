@@ -24,6 +24,7 @@ from tokenspeed_kernels.gemv import (
 from app.worker.quantization import fp8_linear
 from app.worker.quantization.fp8 import quantize_rows
 from app.worker.quantization.gemm import SCALED_MM_ROWWISE, SCALED_MM_TENSORWISE
+from tests.support.numerics import relative_error
 
 REL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 CONFIGS = {
@@ -42,9 +43,6 @@ def weight(n: int, k: int, seed: int, fp8: bool) -> tuple[torch.Tensor, torch.Te
     codes, scales = quantize_rows(w)
     return codes, scales.view(-1)
 
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
 
 SHAPES = [(1, 40, 96), (3, 33, 200), (16, 24, 130)]

@@ -38,6 +38,7 @@ from tests.support.model_factory import (
     read_config,
     write_fp8_checkpoint,
 )
+from tests.support.numerics import relative_error
 from tests.unit.test_model_runner import CPU, Request, ScriptedScheduler, make_settings, prompts_for
 from tests.unit.test_models import prefill_logits
 
@@ -111,9 +112,6 @@ def check_runtime_matches_checkpoint(runner: ModelRunner, ckpt: Path, fmt: str) 
             shard_scales = [float(tensors[f"{module}.input_scale"]) for module in shard_modules(name)]
             assert float(layer.input_scale) == max(shard_scales)
 
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got - want).norm() / want.norm())
 
 
 def check_close_to_unquantized(runner: ModelRunner, float_runner: ModelRunner, model_dir: Path) -> None:

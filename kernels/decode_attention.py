@@ -56,7 +56,6 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     Q_TO_F16: tl.constexpr,
-    FP8_MMA: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -73,11 +72,7 @@ def _decode_split_kernel(
     heads = kvh * GROUP + offs_g
     q_mask = g_mask[:, None] & d_mask[None, :]
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
-    if FP8_MMA:  # q as e4m3 codes with a scale per head (see paged_decode_attention)
-        qf = q.to(tl.float32)
-        q_scale = tl.maximum(tl.max(tl.abs(qf), 1), 1e-30) / 448.0
-        q = (qf / q_scale[:, None]).to(tl.float8e4nv)
-    elif Q_TO_F16:  # an FP8 cache with bfloat16 q: float16 operands (see the module docstring)
+    if Q_TO_F16:  # an FP8 cache with bfloat16 q: float16 operands (see the module docstring)
         q = (q.to(tl.float32) * 0.00390625).to(tl.float16)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -91,25 +86,15 @@ def _decode_split_kernel(
         slot = page.to(tl.int64) * PAGE + pos % PAGE
         kv_off = slot[:, None] * row + kvh * HEAD_DIM + offs_d[None, :]
         kv_mask = valid[:, None] & d_mask[None, :]
-        if FP8_MMA:  # the codes go to the tensor cores as they are
-            k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-            qk = tl.dot(q, tl.trans(k)) * (q_scale[:, None] * scale)
-        else:
-            k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
-            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.exp(qk - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
-        if FP8_MMA:  # probabilities in [0, 1] as e4m3 codes of p * 448; numerator and sum use the same p
-            v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-            p8 = (p * 448.0).to(tl.float8e4nv)
-            acc = acc * alpha[:, None] + tl.dot(p8, v) * (1.0 / 448.0)
-            l_i = l_i * alpha + tl.sum(p8.to(tl.float32), 1) * (1.0 / 448.0)
-        else:
-            v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
-            l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
+        l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
 
     has = l_i > 0
@@ -175,15 +160,11 @@ def paged_decode_attention(
     block_n: int = BLOCK_N,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    fp8_mma: bool = False,
 ) -> torch.Tensor:
     """q [B, Hq, D] attends its sequence's cached context -> out [B, Hq, D] (q's dtype). k_scale /
     v_scale: the dequantization scales of an FP8 cache (1.0 otherwise). block_n, num_warps, num_stages:
     the split kernel's tile and launch options (Triton's defaults when None), for tuning benchmarks;
-    num_splits should then come from choose_num_splits(..., block_n). fp8_mma (an FP8 cache, under
-    evaluation: no backend selects it yet): the codes go to the FP8 tensor cores uncast, q rounded to
-    e4m3 with a scale per head and the probabilities as e4m3 codes of p * 448, as FP8 attention kernels
-    do; the output is then within a few percent of the exact one, not within bf16 rounding."""
+    num_splits should then come from choose_num_splits(..., block_n)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -197,9 +178,7 @@ def paged_decode_attention(
     part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     block_d = max(next_power_of_2(head_dim), 16)
-    if fp8_mma and (k_cache.dtype != FP8_DTYPE or q.dtype == torch.float32):
-        raise ValueError(f"fp8_mma needs an FP8 cache and 16-bit q, got {k_cache.dtype} and {q.dtype}")
-    q_to_f16 = k_cache.dtype == FP8_DTYPE and q.dtype == torch.bfloat16 and not fp8_mma
+    q_to_f16 = k_cache.dtype == FP8_DTYPE and q.dtype == torch.bfloat16
     if q_to_f16:
         scale = scale * 256.0  # q was scaled by 2^-8
     launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
@@ -208,7 +187,7 @@ def paged_decode_attention(
         scale * k_scale, v_scale, q.stride(0), q.stride(1), block_tables.stride(0), num_splits,
         GROUP=group, GROUP_PAD=max(next_power_of_2(group), 16), NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=k_cache.shape[1], BLOCK_N=block_n,
-        PRECISION=dot_precision(q.dtype), Q_TO_F16=q_to_f16, FP8_MMA=fp8_mma, **launch,
+        PRECISION=dot_precision(q.dtype), Q_TO_F16=q_to_f16, **launch,
     )  # fmt: skip
     _decode_merge_kernel[(batch, num_heads)](
         part_out, part_lse, out, out.stride(0), out.stride(1), num_splits,

@@ -8,11 +8,10 @@ measured in the same run. Before timing, each case's output is checked against t
 
   python3 scripts/gpu/bench_decode_attention.py --json out.json
 
---triton-configs BLOCK_N:WARPS:STAGES[:mma],... times the Triton decode kernel alone under each of those
-launch options instead (the split kernel's context tile, warps and pipeline stages; the merge included),
-for both caches at the 384 x 1500 and 64 x 1500 cases, each checked against the default options' output.
-A trailing :mma runs the FP8 cache's codes on the FP8 tensor cores (paged_decode_attention's fp8_mma;
-FP8 cache only), whose output differs from the default's by a few percent by design.
+--triton-configs BLOCK_N:WARPS:STAGES[:SPLITS],... times the Triton decode kernel alone under each of
+those launch options instead (the split kernel's context tile, warps and pipeline stages, and the number
+of context pieces, choose_num_splits' when left out; the merge included), for both caches at the
+--sweep-cases (BATCHxCONTEXT,...), each checked against the default options' output.
 """
 
 from __future__ import annotations
@@ -100,11 +99,11 @@ def result_row(name: str, kv_dtype: torch.dtype, batch: int, context: int, ms: f
 
 def run_kernel_case(kv_dtype: torch.dtype, batch: int, context: int, config: str, gen: torch.Generator,
                     reps: int) -> dict[str, Any]:
-    """The Triton decode kernel alone with one BLOCK_N:WARPS:STAGES option set."""
+    """The Triton decode kernel alone with one BLOCK_N:WARPS:STAGES[:SPLITS] option set."""
     from tokenspeed_kernels.decode_attention import choose_num_splits, paged_decode_attention
 
-    block_n, warps, stages = (int(v) for v in config.split(":")[:3])
-    fp8_mma = config.endswith(":mma")
+    options = [int(v) for v in config.split(":")]
+    block_n, warps, stages = options[:3]
     device = torch.device("cuda")
     per_seq = math.ceil(context / BLOCK)
     num_blocks = batch * per_seq + 1
@@ -120,9 +119,9 @@ def run_kernel_case(kv_dtype: torch.dtype, batch: int, context: int, config: str
         if not tuned:
             return paged_decode_attention(q, k, v, tables, seq_lens, HEAD_DIM**-0.5,
                                           choose_num_splits(batch, KV_HEADS, context, sms))
-        splits = choose_num_splits(batch, KV_HEADS, context, sms, block_n)
+        splits = options[3] if len(options) > 3 else choose_num_splits(batch, KV_HEADS, context, sms, block_n)
         return paged_decode_attention(q, k, v, tables, seq_lens, HEAD_DIM**-0.5, splits, block_n=block_n,
-                                      num_warps=warps, num_stages=stages, fp8_mma=fp8_mma)  # fmt: skip
+                                      num_warps=warps, num_stages=stages)  # fmt: skip
 
     expected, out = call(0, False).float(), call(0, True).float()
     error = ((out - expected).norm() / expected.norm()).item()
@@ -137,17 +136,18 @@ def main() -> None:
     parser.add_argument("--backends", default="flashinfer_cuda_cores,flashinfer_tensor_cores,triton",
                         help="flashinfer_<decode kernel> runs FlashInferAttentionBackend with that decode kernel; "
                         "triton the triton backend")  # fmt: skip
-    parser.add_argument("--triton-configs", default="", help="BLOCK_N:WARPS:STAGES,...: see the module docstring")
+    parser.add_argument("--triton-configs", default="",
+                        help="BLOCK_N:WARPS:STAGES[:SPLITS],...: see the module docstring")
+    parser.add_argument("--sweep-cases", default="384x1500,64x1500", help="BATCHxCONTEXT,... for --triton-configs")
     args = parser.parse_args()
     bandwidth = copy_bandwidth(torch.device("cuda"))
     gen = torch.Generator().manual_seed(0)
     rows = []
     configs = [c for c in args.triton_configs.split(",") if c]
     for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
-        for batch, context in [(384, 1500), (64, 1500)] if configs else []:
+        sweep_cases = [tuple(int(v) for v in case.split("x")) for case in args.sweep_cases.split(",")]
+        for batch, context in sweep_cases if configs else []:
             for config in configs:
-                if config.endswith(":mma") and kv_dtype != torch.float8_e4m3fn:
-                    continue
                 try:
                     row = run_kernel_case(kv_dtype, batch, context, config, gen, args.reps)
                 except Exception as exc:  # a launch option the compiler refuses must not hide the others

@@ -23,8 +23,8 @@
 #                            or carry a cache that has the FP8-KV kernels: warm_flashinfer builds bf16 only)
 #   attn                     decode attention alone per backend (flashinfer CUDA-core and tensor-core, triton),
 #                            bf16 and FP8 KV, batch 1 to 384: time and KV read rate vs the copy bandwidth: ~90 s
-#   attn_sweep               the Triton decode kernel's tile, warps and stages (ATTN_CONFIGS; :mma = FP8 tensor
-#                            cores for the FP8 cache), both caches: ~90 s
+#   attn_sweep               the Triton decode kernel's tile, warps, stages and split count (ATTN_CONFIGS) at
+#                            ATTN_CASES (BATCHxCONTEXT,...), both caches: ~90 s
 #   gemv                     decode-sized GEMVs (kernels/gemv.py) swept per 8B shape and row count, bf16 and FP8
 #                            weights, against cuBLAS and the old FP8 GEMV: GEMV_BUDGET (200) s + ~40 s
 #   tests_gemv               GPU tests of kernels/gemv.py and of the pipelined steps (no host sync at launch): ~60 s
@@ -155,9 +155,10 @@ for s in $STAGES; do
     # Two GPUs (nvidia-h200-x2): TP=2 parity tests, batch-1 decode TP=1 vs TP=2, and the appliance's
     # throughput with one replica vs two (--data-parallel-size 2) at twice the concurrency.
     attn) wait $WARM; stage attn 200 python3 scripts/gpu/bench_decode_attention.py --json "$RUN/attn.json" ;;
-    # The Triton decode kernel's launch options (context tile : warps : stages), both caches, 384 and 64 x 1500.
+    # The Triton decode kernel's launch options (context tile : warps : stages[ : splits]), both caches.
     attn_sweep) stage attn_sweep 200 python3 scripts/gpu/bench_decode_attention.py --json "$RUN/attn_sweep.json" \
-      --triton-configs "${ATTN_CONFIGS:-64:4:3,64:4:2,64:8:3,64:4:4,32:4:3,32:4:4,128:4:2,128:8:3,128:8:2,64:2:3,64:4:3:mma,64:8:3:mma,128:8:2:mma,128:4:3:mma}" ;;
+      --triton-configs "${ATTN_CONFIGS:-64:4:3,64:4:2,64:8:3,128:8:2,32:4:3}" \
+      --sweep-cases "${ATTN_CASES:-384x1500,64x1500}" ;;
     gemv) stage gemv $((${GEMV_BUDGET:-200} + 60)) python3 scripts/gpu/bench_gemv.py --budget-s "${GEMV_BUDGET:-200}" \
       --weights "${GEMV_WEIGHTS:-bf16,fp8}" \
       --json "$RUN/gemv.json" ;;

@@ -27,3 +27,9 @@ def check_kv_scales(cache: torch.Tensor, k_scale: float, v_scale: float) -> None
         raise ValueError(f"KV scales other than 1.0 need an FP8 cache, not {cache.dtype}")
     if not (k_scale > 0 and v_scale > 0):
         raise ValueError(f"KV scales must be positive, got {k_scale} and {v_scale}")
+
+
+def check_rows(name: str, x: torch.Tensor) -> None:
+    """x [T, heads, dim]: rows may be strided views (of a fused QKV output), heads and dims contiguous."""
+    if x.stride(2) != 1 or (x.shape[1] > 1 and x.stride(1) != x.shape[2]):
+        raise ValueError(f"{name} rows must hold contiguous [heads, dim], got strides {tuple(x.stride())}")

@@ -1,4 +1,6 @@
-"""reshape_and_cache: write a step's new K and V rows into their paged-cache slots in one launch.
+"""reshape_and_cache: write a step's new K and V rows into their paged-cache slots in one launch;
+rotate_and_write_kv also applies the rotary embedding to q and k first (rotary.py's arithmetic) in the
+same launch, which saves a kernel per layer on every step.
 
 k, v [T, Hkv, D] (rows may be strided views of the fused QKV output; heads and dims contiguous);
 k_cache, v_cache [num_blocks, block_size, Hkv, D] contiguous; slot_mapping [T] int64 slot ids
@@ -15,8 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import FP8_DTYPE, check_kv_scales, next_power_of_2
+from .common import FP8_DTYPE, check_kv_scales, check_rows, next_power_of_2
 from .fp8_quant import FP8_MAX, _quantize_e4m3
+from .rotary import _rotate_rows, check_rotary_args
 
 
 @triton.jit
@@ -47,10 +50,62 @@ def _write_kv_kernel(
     tl.store(v_cache_ptr + slot * ROW + offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def _check_rows(name: str, x: torch.Tensor) -> None:
-    heads, dim = x.shape[1], x.shape[2]
-    if x.stride(2) != 1 or (heads > 1 and x.stride(1) != dim):
-        raise ValueError(f"{name} rows must hold contiguous [heads, dim], got strides {tuple(x.stride())}")
+@triton.jit
+def _rotate_write_kv_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_q,
+    stride_k,
+    stride_v,
+    stride_table,
+    num_q_heads,
+    num_k_heads,
+    k_scale,
+    v_scale,
+    HALF: tl.constexpr,
+    BLOCK_QH: tl.constexpr,
+    BLOCK_KH: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    ROW: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FP8: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    offs_c = tl.arange(0, BLOCK_HALF)
+    cos = tl.load(cos_ptr + pos * stride_table + offs_c, mask=offs_c < HALF, other=0.0)
+    sin = tl.load(sin_ptr + pos * stride_table + offs_c, mask=offs_c < HALF, other=0.0)
+    _rotate_rows(q_ptr, stride_q, t, cos, sin, num_q_heads, HALF, BLOCK_QH, BLOCK_HALF)
+    k1, k2 = _rotate_rows(k_ptr, stride_k, t, cos, sin, num_k_heads, HALF, BLOCK_KH, BLOCK_HALF)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_KH)
+    k_mask = (offs_h[:, None] < num_k_heads) & (offs_c[None, :] < HALF)
+    k_row = k_cache_ptr + slot * ROW + offs_h[:, None] * (2 * HALF) + offs_c[None, :]
+    if FP8:
+        k1 = _quantize_e4m3(k1, k_scale)
+        k2 = _quantize_e4m3(k2, k_scale)
+    tl.store(k_row, k1.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
+    tl.store(k_row + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
+    offs = tl.arange(0, BLOCK)
+    v = tl.load(v_ptr + t * stride_v + offs, mask=offs < ROW)
+    if FP8:
+        v = _quantize_e4m3(v, v_scale)
+    tl.store(v_cache_ptr + slot * ROW + offs, v.to(v_cache_ptr.dtype.element_ty), mask=offs < ROW)
+
+
+def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float, v_scale: float) -> None:
+    check_kv_scales(k_cache, k_scale, v_scale)
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"the K and V caches differ in dtype: {k_cache.dtype} and {v_cache.dtype}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the KV cache tensors must be contiguous")
 
 
 def write_kv(
@@ -65,19 +120,45 @@ def write_kv(
     """k_cache/v_cache viewed as [slots, Hkv, D]: row slot_mapping[t] = k[t] / v[t] (FP8: quantized
     with k_scale / v_scale, see the module docstring)."""
     num_tokens = k.shape[0]
-    check_kv_scales(k_cache, k_scale, v_scale)
-    if k_cache.dtype != v_cache.dtype:
-        raise ValueError(f"the K and V caches differ in dtype: {k_cache.dtype} and {v_cache.dtype}")
+    _check_caches(k_cache, v_cache, k_scale, v_scale)
     if num_tokens == 0:
         return
-    _check_rows("k", k)
-    _check_rows("v", v)
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("the KV cache tensors must be contiguous")
+    check_rows("k", k)
+    check_rows("v", v)
     row = k.shape[1] * k.shape[2]
     _write_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), float(k_scale), float(v_scale),
         ROW=row, BLOCK=next_power_of_2(row), FP8=k_cache.dtype == FP8_DTYPE,
+    )  # fmt: skip
+
+
+def rotate_and_write_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """rotary_inplace(q, k, cos, sin, positions) then write_kv(k, v, ...) in one launch, with the same
+    results: q and k are rotated in place and the rotated k goes to the cache."""
+    _check_caches(k_cache, v_cache, k_scale, v_scale)
+    check_rotary_args(q, k, cos, sin)
+    check_rows("v", v)
+    num_tokens, half = q.shape[0], q.shape[2] // 2
+    if num_tokens == 0:
+        return
+    row = v.shape[1] * v.shape[2]
+    _rotate_write_kv_kernel[(num_tokens,)](
+        q, k, v, cos, sin, positions, k_cache, v_cache, slot_mapping, q.stride(0), k.stride(0), v.stride(0),
+        cos.stride(0), q.shape[1], k.shape[1], float(k_scale), float(v_scale),
+        HALF=half, BLOCK_QH=next_power_of_2(q.shape[1]), BLOCK_KH=next_power_of_2(k.shape[1]),
+        BLOCK_HALF=next_power_of_2(half), ROW=row, BLOCK=next_power_of_2(row), FP8=k_cache.dtype == FP8_DTYPE,
     )  # fmt: skip
 
 

@@ -12,12 +12,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import next_power_of_2
+from .common import check_rows, next_power_of_2
 
 
 @triton.jit
 def _rotate_rows(ptr, stride_t, t, cos, sin, n_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                  BLOCK_HALF: tl.constexpr):  # fmt: skip
+    """Rotates one token's heads in place; returns the rotated halves (for a fused KV write)."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_c = tl.arange(0, BLOCK_HALF)
     mask = (offs_h[:, None] < n_heads) & (offs_c[None, :] < HALF)
@@ -32,8 +33,10 @@ def _rotate_rows(ptr, stride_t, t, cos, sin, n_heads, HALF: tl.constexpr, BLOCK_
     a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
     o1 = (a1 * c).to(dtype).to(tl.float32) - (a2 * s).to(dtype).to(tl.float32)
     o2 = (a2 * c).to(dtype).to(tl.float32) + (a1 * s).to(dtype).to(tl.float32)
-    tl.store(base, o1.to(dtype), mask=mask)
-    tl.store(base + HALF, o2.to(dtype), mask=mask)
+    o1, o2 = o1.to(dtype), o2.to(dtype)
+    tl.store(base, o1, mask=mask)
+    tl.store(base + HALF, o2, mask=mask)
+    return o1, o2
 
 
 @triton.jit
@@ -62,19 +65,18 @@ def _rotary_kernel(
     _rotate_rows(k_ptr, stride_k, t, cos, sin, num_k_heads, HALF, BLOCK_KH, BLOCK_HALF)
 
 
-def _check(name: str, x: torch.Tensor) -> None:
-    if x.stride(2) != 1 or (x.shape[1] > 1 and x.stride(1) != x.shape[2]):
-        raise ValueError(f"{name} rows must hold contiguous [heads, dim], got strides {tuple(x.stride())}")
+def check_rotary_args(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    check_rows("q", q)
+    check_rows("k", k)
+    if cos.stride(-1) != 1 or cos.stride() != sin.stride():
+        raise ValueError("cos and sin must be row-major tables of one layout")
 
 
 def rotary_inplace(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
 ) -> None:
     """q [T, Hq, D], k [T, Hkv, D] rotated in place; cos/sin [max_pos, D/2] float32 tables."""
-    _check("q", q)
-    _check("k", k)
-    if cos.stride(-1) != 1 or cos.stride() != sin.stride():
-        raise ValueError("cos and sin must be row-major tables of one layout")
+    check_rotary_args(q, k, cos, sin)
     num_tokens, half = q.shape[0], q.shape[2] // 2
     if num_tokens == 0:
         return

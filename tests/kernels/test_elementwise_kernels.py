@@ -1,10 +1,12 @@
-"""Fused RMSNorm (+ residual), in-place rotary and SiLU-and-mul against their torch references."""
+"""Fused RMSNorm (+ residual), in-place rotary (alone and fused with the KV write) and SiLU-and-mul
+against their torch references."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from tokenspeed_kernels.activation import silu_and_mul, silu_and_mul_reference
+from tokenspeed_kernels.kv_write import rotate_and_write_kv, write_kv
 from tokenspeed_kernels.rmsnorm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
 from tokenspeed_kernels.rotary import rotary_inplace, rotary_reference
 
@@ -49,3 +51,33 @@ def test_silu_and_mul(dtype: torch.dtype) -> None:
     x = torch.randn(3, 2 * 1500, generator=torch.Generator().manual_seed(2)).to(dtype)  # two column blocks
     tol = 1e-6 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(silu_and_mul(x), silu_and_mul_reference(x), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.float8_e4m3fn])
+def test_fused_rotary_and_kv_write_equal_the_two_kernels(cache_dtype: torch.dtype) -> None:
+    """rotate_and_write_kv: the same bits as rotary_inplace then write_kv, on views of a fused QKV row."""
+    dtype = torch.float32 if cache_dtype == torch.float32 else torch.float16
+    scales = (0.5, 0.25) if cache_dtype == torch.float8_e4m3fn else (1.0, 1.0)
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim, tokens = 4, 2, 16, 5
+    angles = torch.rand(64, dim // 2, generator=gen) * 6
+    cos, sin = angles.cos(), angles.sin()
+    positions = torch.tensor([0, 9, 63, 2, 2])
+    slots = torch.randperm(12, generator=gen)[:tokens]
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype) * 4
+    results = []
+    for fused in (True, False):
+        x = qkv.clone()
+        q = x[:, : heads * dim].view(tokens, heads, dim)
+        k = x[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+        v = x[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
+        caches = [torch.zeros(12, kv_heads, dim).to(cache_dtype) for _ in range(2)]
+        if fused:
+            rotate_and_write_kv(q, k, v, cos, sin, positions, *caches, slots, *scales)
+        else:
+            rotary_inplace(q, k, cos, sin, positions)
+            write_kv(k, v, *caches, slots, *scales)
+        results.append([x, *(c.view(torch.uint8) for c in caches)])
+    for fused, unfused in zip(*results, strict=True):
+        assert torch.equal(fused, unfused)
+    assert results[0][1].any() and results[0][2].any()  # both caches were written

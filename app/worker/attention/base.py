@@ -2,20 +2,24 @@
 
 Once per step the runner describes the batch (an AttentionBatch: flat varlen tokens, each
 sequence's context length and block table) and the backend plans it (`plan`), returning metadata
-that every layer shares. Each layer then calls `backend.forward(layer_idx, q, k, v, meta)`, which
-writes the new tokens' K/V into the paged cache and attends each sequence's new queries over its
-whole context (cached prefix + new tokens, causal among the new ones).
+that every layer shares. Each layer then calls `backend.forward(layer_idx, q, k, v, meta, rope)`, which
+applies the rotary embedding to q and k (on CUDA in the same kernel as the KV write), writes the new
+tokens' K/V into the paged cache and attends each sequence's new queries over its whole context
+(cached prefix + new tokens, causal among the new ones).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from app.worker.kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from app.worker.layers.rotary import Rope
 
 
 @dataclass(frozen=True)
@@ -148,9 +152,16 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        rope: Rope | None = None,
     ) -> torch.Tensor:
-        """q [T, Hq, D], k and v [T, Hkv, D] for the step's new tokens -> output [T, Hq, D]."""
+        """q [T, Hq, D], k and v [T, Hkv, D] for the step's new tokens -> output [T, Hq, D]. rope: the
+        step's rotary embedding, applied to q and k first (None: they come rotated, or the model has none)."""
 
     def capture_metadata(self, batch: AttentionBatch) -> AttentionMetadata:
         """Metadata for a CUDA-graphed decode batch (one new token per sequence) whose device tensors

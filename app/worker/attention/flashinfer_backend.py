@@ -7,7 +7,7 @@ plans the decode kernel, a step of prefill chunks the batch-prefill wrapper with
 prefix), and a mixed step both: its leading one-token rows on the decode kernel, the rest on the
 prefill wrapper (MixedMetadata). The page list flashinfer reads (CSR indptr/indices/last_page_len)
 is built from the block tables on the device by a Triton kernel. K/V rows are written by our fused
-write kernel.
+write kernel (with the rotary embedding, on CUDA), once per layer for the whole step.
 
 CUDA graphs: each captured decode size gets its own decode wrapper in CUDA-graph mode with fixed
 indptr / last_page_len buffers and one page-index buffer shared by all sizes (one graph replays at a
@@ -50,8 +50,13 @@ from app.worker.attention.base import (
     leading_single_token_rows,
     split_batch,
 )
-from app.worker.attention.triton_backend import TritonAttentionBackend, TritonAttentionMetadata
+from app.worker.attention.triton_backend import (
+    TritonAttentionBackend,
+    TritonAttentionMetadata,
+    write_new_tokens,
+)
 from app.worker.kv_cache import KVCache, KVCacheSpec
+from app.worker.layers.rotary import Rope
 
 # flashinfer's split-KV scratch grows with the batch: a graph-mode tensor-core decode plan of 512
 # sequences asks for ~170 MB of it. Shared by every wrapper (their runs never overlap).
@@ -143,10 +148,8 @@ class FlashInferAttentionBackend(AttentionBackend):
                 "use --attention-backend triton"
             )
         self.fi = import_flashinfer()
-        from tokenspeed_kernels.kv_write import write_kv
         from tokenspeed_kernels.page_table import flatten_block_tables
 
-        self._write = write_kv
         self._flatten = flatten_block_tables
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.int_workspace = torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
@@ -258,19 +261,28 @@ class FlashInferAttentionBackend(AttentionBackend):
     # ------------------------------------------------------------------ forward
 
     def forward(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        rope: Rope | None = None,
     ) -> torch.Tensor:
+        q = write_new_tokens(self.kv_cache, layer_idx, q, k, v, meta.batch.slot_mapping, rope)
+        return self._attend(layer_idx, q, meta)
+
+    def _attend(self, layer_idx: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if isinstance(meta, TritonAttentionMetadata):
             assert self.triton is not None
-            return self.triton.forward(layer_idx, q, k, v, meta)
+            return self.triton.attend(layer_idx, q, meta)
         if isinstance(meta, MixedMetadata):
             n = meta.decode_tokens
-            return torch.cat([self.forward(layer_idx, q[:n], k[:n], v[:n], meta.decode),
-                              self.forward(layer_idx, q[n:], k[n:], v[n:], meta.prefill)])  # fmt: skip
+            return torch.cat([self._attend(layer_idx, q[:n], meta.decode),
+                              self._attend(layer_idx, q[n:], meta.prefill)])  # fmt: skip
         assert isinstance(meta, FlashInferMetadata)
         k_cache, v_cache = self.kv_cache.k[layer_idx], self.kv_cache.v[layer_idx]
         k_scale, v_scale = self.kv_cache.k_scales[layer_idx], self.kv_cache.v_scales[layer_idx]
-        self._write(k, v, k_cache, v_cache, meta.batch.slot_mapping, k_scale, v_scale)
         # 1.0 for a 16-bit cache: flashinfer then leaves the softmax scale and the output as they are.
         return meta.wrapper.run(q.contiguous(), (k_cache, v_cache), k_scale=k_scale, v_scale=v_scale)
 

@@ -17,6 +17,7 @@ from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from app.worker.attention.base import AttentionBackend, AttentionBatch, AttentionMetadata, AttentionSpec
 from app.worker.kv_cache import KVCache
+from app.worker.layers.rotary import Rope
 from app.worker.quantization.kv import write_kv
 
 DEFAULT_DECODE_GROUP_TOKENS = 1 << 16
@@ -112,9 +113,17 @@ class TorchAttentionBackend(AttentionBackend):
         return _DecodeGroup(rows, slots, padding[:, None, None, :])
 
     def forward(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        rope: Rope | None = None,
     ) -> torch.Tensor:
         assert isinstance(meta, TorchAttentionMetadata)
+        if rope is not None:
+            q, k = rope.apply(q, k)
         k_cache = self.kv_cache.k[layer_idx].view(-1, self.spec.num_kv_heads, self.spec.head_dim)
         v_cache = self.kv_cache.v[layer_idx].view(-1, self.spec.num_kv_heads, self.spec.head_dim)
         k_scale, v_scale = self.kv_cache.k_scales[layer_idx], self.kv_cache.v_scales[layer_idx]

@@ -3,8 +3,8 @@ TRITON_INTERPRET=1, which is how the tests run it without a GPU).
 
 A step whose sequences all feed one token runs the split-K decode kernel; any other step runs the
 prefill/extend kernel over every sequence (a decode row is an extend of length one). The new K/V
-rows go into the cache first, through the fused write kernel, so both kernels read the whole
-context from the cache. Decode metadata holds only device tensors of the batch and a split count
+rows go into the cache first, through the fused write kernel (which also applies the rotary embedding
+on CUDA), so both kernels read the whole context from the cache. Decode metadata holds only device tensors of the batch and a split count
 fixed per batch size, so decode steps are CUDA-graph safe.
 
 An FP8 KV cache (float8_e4m3fn, per-layer scales) is written and read by the same kernels: the write
@@ -22,6 +22,8 @@ import torch
 
 from app.worker.attention.base import AttentionBackend, AttentionBatch, AttentionMetadata, AttentionSpec
 from app.worker.kv_cache import KVCache
+from app.worker.layers.fused import kernel_module
+from app.worker.layers.rotary import Rope
 
 # SM count assumed off-GPU (the interpreter): it only shapes the split count.
 _INTERPRETER_SMS = 4
@@ -65,11 +67,10 @@ class TritonAttentionBackend(AttentionBackend):
                 f"(Ada, Hopper), not {torch.cuda.get_device_capability(device)}; use --attention-backend torch"
             )
         # Imported here: the interpreter switch is read when the kernels are defined.
-        from tokenspeed_kernels import decode_attention, kv_write, prefill_attention
+        from tokenspeed_kernels import decode_attention, prefill_attention
 
         self._decode = decode_attention
         self._prefill = prefill_attention
-        self._write = kv_write.write_kv
         self.num_sms = (
             torch.cuda.get_device_properties(device).multi_processor_count
             if device.type == "cuda"
@@ -104,13 +105,23 @@ class TritonAttentionBackend(AttentionBackend):
         """The kernels read the persistent buffers directly: nothing to refresh."""
 
     def forward(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        rope: Rope | None = None,
     ) -> torch.Tensor:
         assert isinstance(meta, TritonAttentionMetadata)
+        q = write_new_tokens(self.kv_cache, layer_idx, q, k, v, meta.batch.slot_mapping, rope)
+        return self.attend(layer_idx, q, meta)
+
+    def attend(self, layer_idx: int, q: torch.Tensor, meta: TritonAttentionMetadata) -> torch.Tensor:
+        """The attention alone, over a cache that already holds the step's K/V."""
         batch = meta.batch
         k_cache, v_cache = self.kv_cache.k[layer_idx], self.kv_cache.v[layer_idx]
         scales = {"k_scale": self.kv_cache.k_scales[layer_idx], "v_scale": self.kv_cache.v_scales[layer_idx]}
-        self._write(k, v, k_cache, v_cache, batch.slot_mapping, **scales)
         if meta.decode:
             return self._decode.paged_decode_attention(
                 q,
@@ -134,3 +145,26 @@ class TritonAttentionBackend(AttentionBackend):
             self.spec.scale,
             **scales,
         )
+
+
+def write_new_tokens(
+    kv_cache: KVCache,
+    layer_idx: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    rope: Rope | None,
+) -> torch.Tensor:
+    """Rotate q and k (when rope is given) and write k and v into the layer's cache slots; returns q
+    rotated. One kernel where the rope runs fused (CUDA), the torch rotation then the write elsewhere."""
+    caches = (kv_cache.k[layer_idx], kv_cache.v[layer_idx], slot_mapping)
+    scales = (kv_cache.k_scales[layer_idx], kv_cache.v_scales[layer_idx])
+    kv_write = kernel_module("kv_write")
+    if rope is not None and rope.fused:
+        kv_write.rotate_and_write_kv(q, k, v, rope.rotary.cos, rope.rotary.sin, rope.positions, *caches, *scales)
+        return q
+    if rope is not None:
+        q, k = rope.apply(q, k)
+    kv_write.write_kv(k, v, *caches, *scales)
+    return q

@@ -140,8 +140,13 @@ class Rope:
         self.positions = positions
         self.cos_sin = None if use_fused(positions) else rotary.cos_sin(positions, dtype)
 
+    @property
+    def fused(self) -> bool:
+        """Whether the Triton kernels rotate (reading the float32 tables and the positions themselves)."""
+        return self.cos_sin is None
+
     def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.cos_sin is None:
+        if self.fused:
             kernel_module("rotary").rotary_inplace(q, k, self.rotary.cos, self.rotary.sin, self.positions)
             return q, k
         return apply_rotary(q, k, *self.cos_sin)

@@ -118,8 +118,7 @@ class DenseAttention(nn.Module):
         v = v.view(-1, d.num_kv_heads, d.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope.apply(q, k)
-        out = attn.backend.forward(self.layer_idx, q, k, v, attn)
+        out = attn.backend.forward(self.layer_idx, q, k, v, attn, rope)
         return self.o_proj(out.reshape(-1, d.num_heads * d.head_dim))
 
 

@@ -20,6 +20,7 @@ import torch
 
 from app.worker.attention import AttentionMetadata, TorchAttentionBackend, build_attention_batch
 from app.worker.kv_cache import KVCache
+from app.worker.layers.rotary import Rope
 from app.worker.loader import load_hf_config, load_weights, resolve_dtype
 from app.worker.models import DenseCausalLM, model_class_for
 from app.worker.quantization.fp8 import FP8_MAX
@@ -39,8 +40,16 @@ class _RecordingBackend(TorchAttentionBackend):
         self.v_amax = [0.0] * kv_cache.spec.num_layers
 
     def forward(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        rope: Rope | None = None,
     ) -> torch.Tensor:
+        if rope is not None:  # the cache holds rotated keys
+            q, k = rope.apply(q, k)
         self.k_amax[layer_idx] = max(self.k_amax[layer_idx], float(k.abs().max()))
         self.v_amax[layer_idx] = max(self.v_amax[layer_idx], float(v.abs().max()))
         return super().forward(layer_idx, q, k, v, meta)

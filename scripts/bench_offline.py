@@ -149,11 +149,33 @@ class StepProfiler:
               f"{busy_ms:.1f} ms ({busy_ms / (wall * 1e3):.0%})", file=sys.stderr)
         for name, (calls, ms) in top:
             print(f"  {ms:9.2f} ms {ms / busy_ms:6.1%} {calls:6d}x  {name}", file=sys.stderr)
+        gaps = idle_gaps(kernels)
+        print("GPU idle between kernels, by the kernels on either side:", file=sys.stderr)
+        for gap in gaps:
+            print(f"  {gap['ms']:9.2f} ms {gap['count']:6d}x  {gap['before']} -> {gap['after']}", file=sys.stderr)
         return {
             "steps": self.count, "wall_ms": wall * 1e3, "gpu_busy_ms": busy_ms,
             "gpu_busy_share": busy_ms / (wall * 1e3),
             "kernels": [{"name": name, "calls": calls, "ms": ms, "share": ms / busy_ms} for name, (calls, ms) in top],
+            "idle_gaps": gaps,
         }
+
+
+def idle_gaps(kernels: list[Any], top: int = 10) -> list[dict[str, Any]]:
+    """Where the GPU waited: the idle time between consecutive device events (kernels and copies, by
+    their GPU timestamps), summed per (event before, event after) pair, largest first."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name[:60]) for e in kernels)
+    pairs: dict[tuple[str, str], list[float]] = {}
+    end, before = (spans[0][1], spans[0][2]) if spans else (0.0, "")
+    for start, stop, name in spans[1:]:
+        if start > end:
+            entry = pairs.setdefault((before, name), [0, 0.0])
+            entry[0] += 1
+            entry[1] += (start - end) / 1e3  # us -> ms
+        if stop >= end:
+            end, before = stop, name
+    ranked = sorted(pairs.items(), key=lambda item: -item[1][1])[:top]
+    return [{"before": b, "after": a, "count": n, "ms": ms} for (b, a), (n, ms) in ranked]
 
 
 def make_requests(args: argparse.Namespace, vocab_size: int) -> list[p.TokenizedRequest]:

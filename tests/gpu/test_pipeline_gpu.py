@@ -113,3 +113,18 @@ def test_idle_gap_between_decode_steps_is_reported(model_dir: Path) -> None:
     assert (plain["mode"], pipelined["mode"]) == ("plain", "pipelined") and pipelined["same_tokens_as_plain"]
     for row in rows:
         assert 0.0 <= row["idle_fraction"] < 1.0 and row["gpu_step_ms"] > 0 and row["graph_replay_ms"] > 0
+
+
+@pytest.mark.parametrize("batch", [1, 4, 64])
+def test_two_pass_vocabulary_reductions_match_torch_on_cuda(batch: int) -> None:
+    """app.worker.sampling.reduce on CUDA (two passes over 1024-wide pieces of Llama-3's vocabulary):
+    torch's argmax and max, ties across and inside pieces included."""
+    from app.worker.sampling.reduce import argmax_rows, max_rows
+
+    gen = torch.Generator(device="cuda").manual_seed(batch)
+    x = torch.randn(batch, 128256, device="cuda", generator=gen).round(decimals=1)
+    x[0, [5000, 5001, 90000]] = 50.0
+    x[-1, [127000, 2000]] = 50.0
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    assert torch.equal(max_rows(x), x.amax(dim=-1))
+    assert argmax_rows(x)[0].item() == 5000 and argmax_rows(x)[-1].item() == 2000

@@ -14,6 +14,7 @@ from app.protocol import SamplingParams
 from app.worker.sampling.logprobs import gather_logprobs
 from app.worker.sampling.output import SamplerOutput, check_logits
 from app.worker.sampling.processors import find_bad_rows
+from app.worker.sampling.reduce import argmax_rows
 from app.worker.sampling.validation import check_greedy_params
 from app.worker.transfer import upload
 
@@ -60,7 +61,7 @@ class GreedySampler:
     def sample(self, logits: torch.Tensor, slots: list[int]) -> SamplerOutput:
         check_logits(logits, slots, self.vocab_size)
         s = self._check_active(slots)
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax_rows(logits)
         rows = np.flatnonzero(self._logprobs[s])
         logprobs = None
         if len(rows):

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import torch
 
+from app.worker.sampling.reduce import max_rows
+
 
 def find_bad_rows(logits: torch.Tensor) -> torch.Tensor:
     """[B] bool: rows holding NaN or +inf, or with every entry -inf (nothing can be sampled).
 
     One max-reduction covers all three cases: max propagates NaN.
     """
-    return ~torch.isfinite(logits.amax(dim=-1))
+    return ~torch.isfinite(max_rows(logits))
 
 
 def add_logit_bias(

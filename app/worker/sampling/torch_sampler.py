@@ -38,6 +38,7 @@ from app.worker.sampling.processors import (
     mask_tokens,
 )
 from app.worker.sampling.randomness import gumbel_noise
+from app.worker.sampling.reduce import argmax_rows
 from app.worker.sampling.slots import SlotTable
 from app.worker.sampling.truncation import apply_min_p, apply_top_k_top_p
 from app.worker.sampling.validation import check_params
@@ -137,11 +138,11 @@ class Sampler:
     def _choose(self, x: torch.Tensor, plan: BatchPlan) -> torch.Tensor:
         """[B] int64 tokens: argmax for greedy rows, a draw for the others."""
         if not len(plan.sample_rows):
-            return x.argmax(dim=-1)
+            return argmax_rows(x)
         dev = plan.dev
         tokens = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
         if len(plan.greedy_rows):
-            greedy = x.index_select(0, dev["greedy_rows"]).argmax(dim=-1)
+            greedy = argmax_rows(x.index_select(0, dev["greedy_rows"]))
             tokens.index_copy_(0, dev["greedy_rows"], greedy)
         return tokens.index_copy_(0, dev["sample_rows"], self._draw(x, plan))
 
@@ -162,4 +163,4 @@ class Sampler:
         seeded_slots = plan.slots[plan.sample_rows[plan.num_unseeded :]]
         seeds = self._table.position_seeds(seeded_slots)
         noise = gumbel_noise(self.vocab_size, plan.num_unseeded - k, self._shared, self._seeded, seeds)
-        return (rows + noise).argmax(dim=-1)
+        return argmax_rows(rows + noise)

@@ -1,0 +1,40 @@
+"""The two-pass vocabulary reductions give torch's one-pass results (tests/gpu checks the CUDA dispatch)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.worker.sampling.reduce import argmax_in_pieces, argmax_rows, max_in_pieces, max_rows
+
+
+def rows_with_ties() -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 512, generator=gen).round(decimals=1)  # many equal values
+    x[1, [3, 70, 200, 511]] = 9.0  # the largest, tied across pieces: the first wins
+    x[2, [130, 131]] = 9.0  # tied inside one piece
+    x[3] = -torch.inf  # nothing to choose: index 0, as torch
+    x[4, 300] = torch.inf
+    x[5, 511] = 9.0  # the last entry
+    return x
+
+
+@pytest.mark.parametrize("piece", [64, 128, 512])
+def test_two_passes_equal_one(piece: int) -> None:
+    x = rows_with_ties()
+    assert torch.equal(argmax_in_pieces(x, piece), x.argmax(dim=-1))
+    assert torch.equal(max_in_pieces(x, piece), x.amax(dim=-1))
+    assert argmax_in_pieces(x, piece)[1:3].tolist() == [3, 130]
+
+
+def test_nan_propagates_to_the_max() -> None:
+    x = rows_with_ties()
+    x[0, 100] = torch.nan
+    assert max_in_pieces(x, 64)[0].isnan() and not max_in_pieces(x, 64)[1:].isnan().any()
+
+
+def test_cpu_rows_take_one_pass() -> None:
+    x = rows_with_ties()
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1)) and torch.equal(max_rows(x), x.amax(dim=-1))
+    odd = torch.randn(2, 1001)  # no power-of-two factor: one pass on any device
+    assert torch.equal(argmax_rows(odd), odd.argmax(dim=-1))

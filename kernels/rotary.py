@@ -18,25 +18,29 @@ from .common import check_rows, next_power_of_2
 @triton.jit
 def _rotate_rows(ptr, stride_t, t, cos, sin, n_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                  BLOCK_HALF: tl.constexpr):  # fmt: skip
-    """Rotates one token's heads in place; returns the rotated halves (for a fused KV write)."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_c = tl.arange(0, BLOCK_HALF)
     mask = (offs_h[:, None] < n_heads) & (offs_c[None, :] < HALF)
     base = ptr + t * stride_t + offs_h[:, None] * (2 * HALF) + offs_c[None, :]
     x1 = tl.load(base, mask=mask, other=0.0)
     x2 = tl.load(base + HALF, mask=mask, other=0.0)
+    o1, o2 = rotate_halves(x1, x2, cos[None, :], sin[None, :])
+    tl.store(base, o1, mask=mask)
+    tl.store(base + HALF, o2, mask=mask)
+
+
+@triton.jit
+def rotate_halves(x1, x2, cos, sin):
+    """(x1 cos - x2 sin, x2 cos + x1 sin) in x's dtype, from float32 cos / sin."""
     dtype = x1.dtype
     # Every product and sum in float32, rounded to the activation dtype after each op as torch does;
     # explicit casts keep the compiler from contracting a product and a sum into one FMA.
-    c = cos[None, :].to(dtype).to(tl.float32)
-    s = sin[None, :].to(dtype).to(tl.float32)
+    c = cos.to(dtype).to(tl.float32)
+    s = sin.to(dtype).to(tl.float32)
     a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
     o1 = (a1 * c).to(dtype).to(tl.float32) - (a2 * s).to(dtype).to(tl.float32)
     o2 = (a2 * c).to(dtype).to(tl.float32) + (a1 * s).to(dtype).to(tl.float32)
-    o1, o2 = o1.to(dtype), o2.to(dtype)
-    tl.store(base, o1, mask=mask)
-    tl.store(base + HALF, o2, mask=mask)
-    return o1, o2
+    return o1.to(dtype), o2.to(dtype)
 
 
 @triton.jit

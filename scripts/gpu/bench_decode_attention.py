@@ -11,7 +11,9 @@ measured in the same run. Before timing, each case's output is checked against t
 --triton-configs BLOCK_N:WARPS:STAGES[:SPLITS],... times the Triton decode kernel alone under each of
 those launch options instead (the split kernel's context tile, warps and pipeline stages, and the number
 of context pieces, choose_num_splits' when left out; the merge included), for both caches at the
---sweep-cases (BATCHxCONTEXT,...), each checked against the default options' output.
+--sweep-cases (BATCHxCONTEXT,...), each checked against the default options' output. These calls are
+timed inside a CUDA graph (as the appliance runs them): at small batches a call is a few microseconds of
+GPU work, which eager timing would not see under the launch overhead.
 """
 
 from __future__ import annotations
@@ -90,6 +92,22 @@ def median_ms(call: Callable[[int], Any], reps: int) -> float:
     return times[len(times) // 2]
 
 
+def graph_ms(call: Callable[[int], Any], reps: int) -> float:
+    """The time of one call(i) inside a CUDA graph of reps calls: the median of 5 replays, over reps."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up off the capture (compiles, allocator)
+        for i in range(2):
+            call(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(reps):
+            call(i)
+    graph.replay()
+    return median_ms(lambda _: graph.replay(), 6) / reps
+
+
 def result_row(name: str, kv_dtype: torch.dtype, batch: int, context: int, ms: float, error: float) -> dict[str, Any]:
     kv_bytes = batch * context * KV_HEADS * HEAD_DIM * 2 * kv_dtype.itemsize
     return {"backend": name, "kv_dtype": str(kv_dtype).removeprefix("torch."), "batch": batch,
@@ -125,7 +143,7 @@ def run_kernel_case(kv_dtype: torch.dtype, batch: int, context: int, config: str
 
     expected, out = call(0, False).float(), call(0, True).float()
     error = ((out - expected).norm() / expected.norm()).item()
-    ms = median_ms(lambda i: call(i % 2, True), reps)
+    ms = graph_ms(lambda i: call(i % 2, True), reps)
     return result_row(f"triton {config}", kv_dtype, batch, context, ms, error)
 
 

@@ -10,6 +10,8 @@
 # latency_flashinfer latency_b32 offline hf tests_8b. Named only (each with its own time needs):
 #   idle serving             GPU idle between steps; the whole appliance over HTTP (PYSPY_BENCH=b1: py-spy on it)
 #   offline_b1               one request of 1024 in / 512 out in process (the overlapped loop at batch 1): ~40 s
+#   pyspy_b4                 the profile_b4 run (1024 out) under py-spy (idle frames included): where the host's
+#                            time goes in the overlapped loop (pyspy_b4-offline.pyspy.txt, collapsed stacks): ~50 s
 #   profile_b4               4 requests of 1024 in / 256 out in process, torch.profiler over 20 decode steps: each
 #                            kernel's GPU time and calls, and the GPU's busy share (4-stream TPOT): ~50 s
 #   latency_fp8              batch-1 flashinfer latency, bf16 weights then FP8 (quantized at load): ~70 s
@@ -42,7 +44,7 @@ export PYTHONUNBUFFERED=1
 MODEL=configs/models/llama-3.1-8b
 STAGES=${*:-roofline latency_triton tests latency_flashinfer latency_b32 offline hf tests_8b}
 KNOWN=" roofline latency_triton tests latency_flashinfer latency_b4 latency_b32 offline offline_no_overlap latency_fp8 kv_pool \
-offline_1000 offline_1000_g512 offline_1000_fp8 offline_1000_fp8kv offline_b1 profile_b4 hf tests_8b idle serving tests_tp latency_tp serving_dp tests_fp8kv tests_gemv gemv attn attn_sweep "
+offline_1000 offline_1000_g512 offline_1000_fp8 offline_1000_fp8kv offline_b1 profile_b4 pyspy_b4 hf tests_8b idle serving tests_tp latency_tp serving_dp tests_fp8kv tests_gemv gemv attn attn_sweep "
 for s in $STAGES; do  # every name checked before anything runs
   [[ $KNOWN == *" $s "* ]] || { echo "unknown stage $s; known:$KNOWN"; exit 2; }
 done
@@ -130,6 +132,10 @@ for s in $STAGES; do
     offline_b1) wait $WARM; run_offline offline_b1 120 --num-requests 1 --input-len 1024 --output-len 512 --max-num-seqs 8 ;;
     profile_b4) wait $WARM; run_offline profile_b4 120 --num-requests 4 --input-len 1024 --output-len 256 --max-num-seqs 4 \
       --profile-steps 100:20 ;;
+    pyspy_b4) wait $WARM; stage pyspy_b4 150 py-spy record --idle --nonblocking -r 500 -f raw \
+      -o "$RUN/pyspy_b4-offline.pyspy.txt" -- python3 scripts/bench_offline.py --model $MODEL --load-format dummy \
+      --dtype bfloat16 --attention-backend flashinfer --num-requests 4 --input-len 1024 --output-len 1024 \
+      --max-num-seqs 4 --json "$RUN/pyspy_b4.json" ;;
     offline) wait $WARM; run_offline offline 150 --num-requests 128 --input-len 512 --output-len 128 --max-num-seqs 128 ;;
     offline_no_overlap) wait $WARM; run_offline offline_no_overlap 150 --num-requests 128 --input-len 512 --output-len 128 \
       --max-num-seqs 128 --no-overlap ;;

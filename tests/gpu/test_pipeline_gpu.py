@@ -123,8 +123,8 @@ def test_two_pass_vocabulary_reductions_match_torch_on_cuda(batch: int) -> None:
 
     gen = torch.Generator(device="cuda").manual_seed(batch)
     x = torch.randn(batch, 128256, device="cuda", generator=gen).round(decimals=1)
-    x[0, [5000, 5001, 90000]] = 50.0
-    x[-1, [127000, 2000]] = 50.0
+    x[0, [5000, 5001, 90000]] = 50.0  # tied inside a piece and across pieces
+    x[-1, [127000, 2000]] = 60.0  # (the same row at batch 1)
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
     assert torch.equal(max_rows(x), x.amax(dim=-1))
-    assert argmax_rows(x)[0].item() == 5000 and argmax_rows(x)[-1].item() == 2000
+    assert argmax_rows(x)[-1].item() == 2000 and (batch == 1 or argmax_rows(x)[0].item() == 5000)

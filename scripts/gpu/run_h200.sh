@@ -12,6 +12,8 @@
 #   offline_b1               one request of 1024 in / 512 out in process (the overlapped loop at batch 1): ~40 s
 #   pyspy_b4                 the profile_b4 run (1024 out) under py-spy (idle frames included): where the host's
 #                            time goes in the overlapped loop (pyspy_b4-offline.pyspy.txt, collapsed stacks): ~50 s
+#   pyspy_prefill            60 prefills of one 1024-token prompt (bench_latency --prefill-reps) under py-spy:
+#                            where the host's time goes in an eager prefill: ~50 s
 #   profile_b4               4 requests of 1024 in / 256 out in process, torch.profiler over 20 decode steps: each
 #                            kernel's GPU time and calls, and the GPU's busy share (4-stream TPOT): ~50 s
 #   latency_fp8              batch-1 flashinfer latency, bf16 weights then FP8 (quantized at load): ~70 s
@@ -44,7 +46,7 @@ export PYTHONUNBUFFERED=1
 MODEL=configs/models/llama-3.1-8b
 STAGES=${*:-roofline latency_triton tests latency_flashinfer latency_b32 offline hf tests_8b}
 KNOWN=" roofline latency_triton tests latency_flashinfer latency_b4 latency_b32 offline offline_no_overlap latency_fp8 kv_pool \
-offline_1000 offline_1000_g512 offline_1000_fp8 offline_1000_fp8kv offline_b1 profile_b4 pyspy_b4 hf tests_8b idle serving tests_tp latency_tp serving_dp tests_fp8kv tests_gemv gemv attn attn_sweep "
+offline_1000 offline_1000_g512 offline_1000_fp8 offline_1000_fp8kv offline_b1 profile_b4 pyspy_b4 pyspy_prefill hf tests_8b idle serving tests_tp latency_tp serving_dp tests_fp8kv tests_gemv gemv attn attn_sweep "
 for s in $STAGES; do  # every name checked before anything runs
   [[ $KNOWN == *" $s "* ]] || { echo "unknown stage $s; known:$KNOWN"; exit 2; }
 done
@@ -136,6 +138,10 @@ for s in $STAGES; do
       -o "$RUN/pyspy_b4-offline.pyspy.txt" -- python3 scripts/bench_offline.py --model $MODEL --load-format dummy \
       --dtype bfloat16 --attention-backend flashinfer --num-requests 4 --input-len 1024 --output-len 1024 \
       --max-num-seqs 4 --json "$RUN/pyspy_b4.json" ;;
+    pyspy_prefill) wait $WARM; stage pyspy_prefill 150 py-spy record --idle --nonblocking -r 500 -f raw \
+      -o "$RUN/pyspy_prefill-latency.pyspy.txt" -- python3 scripts/bench_latency.py --model $MODEL --load-format dummy \
+      --dtype bfloat16 --attention-backend flashinfer --batch-size 1 --input-len 1024 --output-len 4 --prefill-reps 60 \
+      --json "$RUN/pyspy_prefill.json" ;;
     offline) wait $WARM; run_offline offline 150 --num-requests 128 --input-len 512 --output-len 128 --max-num-seqs 128 ;;
     offline_no_overlap) wait $WARM; run_offline offline_no_overlap 150 --num-requests 128 --input-len 512 --output-len 128 \
       --max-num-seqs 128 --no-overlap ;;

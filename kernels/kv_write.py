@@ -94,13 +94,14 @@ def _rotate_write_kv_kernel(
         head = (h - num_q_heads) * (2 * HALF)
         dst = tl.load(slot_ptr + t).to(tl.int64) * ROW + head + offs
         v = v_ptr + t * stride_v + head + offs
+        # New names, float32 (exact) on both FP8 branches: a runtime branch may not retype o1 / o2.
+        k1, k2 = o1.to(tl.float32), o2.to(tl.float32)
         v1, v2 = tl.load(v, mask=mask).to(tl.float32), tl.load(v + HALF, mask=mask).to(tl.float32)
-        o1, o2 = o1.to(tl.float32), o2.to(tl.float32)  # exact; one type whether FP8 quantizes or not
         if FP8:
-            o1, o2 = _quantize_e4m3(o1, k_scale), _quantize_e4m3(o2, k_scale)
+            k1, k2 = _quantize_e4m3(k1, k_scale), _quantize_e4m3(k2, k_scale)
             v1, v2 = _quantize_e4m3(v1, v_scale), _quantize_e4m3(v2, v_scale)
-        tl.store(k_cache_ptr + dst, o1.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(k_cache_ptr + dst + HALF, o2.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(k_cache_ptr + dst, k1.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(k_cache_ptr + dst + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_cache_ptr + dst, v1.to(v_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_cache_ptr + dst + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
 

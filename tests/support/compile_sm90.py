@@ -1,0 +1,134 @@
+"""Compile every Triton kernel of tokenspeed_kernels for the H200 (sm_90), without a GPU.
+
+Run as a script (tests/unit/test_kernels_compile_sm90.py does, in a fresh process without
+TRITON_INTERPRET). Triton's interpreter runs kernel bodies as Python, so the CPU tests cannot see what
+only the GPU compiler rejects (a value retyped inside a runtime branch, a bad constexpr use); two such
+kernels reached the GPU once. Here a stand-in driver reports an sm_90 device and each launch only
+compiles (Triton's warm-up path): the launchers run for real on CPU tensors, with the appliance's
+dtypes and the GEMV's configurations, through ptxas. Prints the kernels compiled; exits 1 on a failure.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from collections.abc import Callable
+
+import torch
+import triton.runtime.jit as jit
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+
+FP8 = torch.float8_e4m3fn
+HALF_TYPES = (torch.bfloat16, torch.float16)
+
+
+class Sm90Driver:
+    """What compiling asks of the driver: a device, a stream and its target."""
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def is_active(self) -> bool:
+        return True
+
+
+compiled: set[str] = set()
+_run = jit.JITFunction.run
+
+
+def _compile_only(self, *args, grid, warmup, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+    kernel = _run(self, *args, grid=grid, warmup=True, **kwargs)
+    compiled.add(self.fn.__name__)
+    return kernel
+
+
+def cases() -> list[tuple[str, Callable[[], object]]]:
+    from tokenspeed_kernels import activation, decode_attention, fp8_quant, gemv, kv_write, page_table
+    from tokenspeed_kernels import prefill_attention, rmsnorm, rotary
+
+    out: list[tuple[str, Callable[[], object]]] = []
+    heads, kv_heads, dim, tokens, blocks, page = 8, 2, 128, 3, 6, 16
+    table = torch.zeros(2, 3, dtype=torch.int32)
+    lens = torch.tensor([20, 33], dtype=torch.int32)
+    for dtype in (*HALF_TYPES, torch.float32):
+        x = torch.zeros(tokens, 256, dtype=dtype)
+        w = torch.zeros(256, dtype=dtype)
+        out.append((f"rms_norm {dtype}", lambda x=x, w=w: rmsnorm.rms_norm(x, w, 1e-6)))
+        out.append((f"add_rms_norm {dtype}", lambda x=x, w=w: rmsnorm.add_rms_norm(x, x.clone(), w, 1e-6)))
+        out.append((f"silu_and_mul {dtype}", lambda x=x: activation.silu_and_mul(x)))
+        q = torch.zeros(tokens, heads, dim, dtype=dtype)
+        k = torch.zeros(tokens, kv_heads, dim, dtype=dtype)
+        cos = torch.zeros(64, dim // 2)
+        pos = torch.zeros(tokens, dtype=torch.int64)
+        out.append((f"rotary {dtype}", lambda q=q, k=k, cos=cos, pos=pos: rotary.rotary_inplace(q, k, cos, cos, pos)))
+        caches = [dtype, FP8] if dtype != torch.float32 else [dtype]
+        for cache_dtype in caches:
+            scale = 0.5 if cache_dtype == FP8 else 1.0
+            kc = torch.zeros(blocks, page, kv_heads, dim).to(cache_dtype)
+            out.append((f"write_kv {dtype} -> {cache_dtype}",
+                        lambda k=k, kc=kc, pos=pos, s=scale: kv_write.write_kv(k, k, kc, kc.clone(), pos, s, s)))
+            out.append((f"rotate_and_write_kv {dtype} -> {cache_dtype}",
+                        lambda q=q, k=k, kc=kc, cos=cos, pos=pos, s=scale: kv_write.rotate_and_write_kv(
+                            q, k, k.clone(), cos, cos, pos, kc, kc.clone(), pos, s, s)))  # fmt: skip
+            dq = torch.zeros(2, heads, dim, dtype=dtype)
+            out.append((f"decode_attention {dtype} / {cache_dtype}",
+                        lambda dq=dq, kc=kc, s=scale: decode_attention.paged_decode_attention(
+                            dq, kc, kc.clone(), table, lens, 0.1, 3, k_scale=s, v_scale=s)))  # fmt: skip
+            cu = torch.tensor([0, 1, 3], dtype=torch.int32)
+            out.append((f"prefill_attention {dtype} / {cache_dtype}",
+                        lambda q=q, kc=kc, cu=cu, s=scale: prefill_attention.paged_prefill_attention(
+                            q, kc, kc.clone(), table, cu, lens, 2, 0.1, k_scale=s, v_scale=s)))  # fmt: skip
+        out.append((f"quantize_rows {dtype}", lambda x=x: fp8_quant.quantize_rows(x)))
+    indptr = torch.tensor([0, 2, 5], dtype=torch.int32)
+    out.append(("flatten_block_tables", lambda: page_table.flatten_block_tables(table, indptr, 5)))
+    out += gemv_cases(gemv)
+    return out
+
+
+def gemv_cases(gemv) -> list[tuple[str, Callable[[], object]]]:  # noqa: ANN001
+    """Every configuration the GEMV can pick: the measured table's and the defaults, per row bucket."""
+    out = []
+    n, k = 512, 1024
+    for weight_dtype in (*HALF_TYPES, FP8):
+        w = torch.zeros(n, k).to(weight_dtype)
+        scale = torch.ones(n) if weight_dtype == FP8 else None
+        configs = {gemv.pick_config(m, n, k, weight_dtype) for m in gemv.ROW_BUCKETS}
+        family = "fp8" if weight_dtype == FP8 else "16"
+        configs |= {c for (f, *_), c in gemv._MEASURED.items() if f == family}
+        for x_dtype in HALF_TYPES:
+            for config in configs:
+                for m in gemv.ROW_BUCKETS:
+                    if config.problem(m, weight_dtype, x_dtype) is None:
+                        x = torch.zeros(m, k, dtype=x_dtype)
+                        out.append((f"gemv {weight_dtype} x {x_dtype} m={m} {config}",
+                                    lambda x=x, w=w, s=scale, c=config: gemv.gemv(x, w, s, c)))  # fmt: skip
+                        break  # one row count a configuration: BLOCK_M is all that varies (FMA: 1 to 4)
+    return out
+
+
+def main() -> int:
+    driver.set_active(Sm90Driver())
+    jit.JITFunction.run = _compile_only
+    failures = 0
+    for name, launch in cases():
+        try:
+            launch()
+        except Exception:
+            failures += 1
+            print(f"FAILED {name}\n{traceback.format_exc(limit=-3)}", file=sys.stderr)
+    print("compiled:", " ".join(sorted(compiled)))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

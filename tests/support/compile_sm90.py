@@ -53,8 +53,17 @@ def _compile_only(self, *args, grid, warmup, **kwargs):  # noqa: ANN001, ANN002,
 
 
 def cases() -> list[tuple[str, Callable[[], object]]]:
-    from tokenspeed_kernels import activation, decode_attention, fp8_quant, gemv, kv_write, page_table
-    from tokenspeed_kernels import prefill_attention, rmsnorm, rotary
+    from tokenspeed_kernels import (
+        activation,
+        decode_attention,
+        fp8_quant,
+        gemv,
+        kv_write,
+        page_table,
+        prefill_attention,
+        rmsnorm,
+        rotary,
+    )
 
     out: list[tuple[str, Callable[[], object]]] = []
     heads, kv_heads, dim, tokens, blocks, page = 8, 2, 128, 3, 6, 16

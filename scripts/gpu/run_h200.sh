@@ -32,6 +32,8 @@
 #   gemv                     decode-sized GEMVs (kernels/gemv.py) swept per 8B shape and row count, bf16 and FP8
 #                            weights, against cuBLAS and the old FP8 GEMV: GEMV_BUDGET (200) s + ~40 s
 #   tests_gemv               GPU tests of kernels/gemv.py and of the pipelined steps (no host sync at launch): ~60 s
+#   tests_decode             GPU tests of the decode step's kernels and backends (fused merge, fused rotary + KV
+#                            write, both caches, graphs vs eager) and of the pipelined steps: ~150 s
 #   tests_fp8kv              GPU tests of the FP8 KV backends, flashinfer sampling and FP8 GEMMs: ~150 s
 #   tests_tp latency_tp      two GPUs (nvidia-h200-x2): TP=2 GPU tests; batch-1 decode at TP=1 and TP=2
 #   serving_dp               two GPUs: the appliance at 1 replica, then --data-parallel-size 2: ~300 s
@@ -46,7 +48,7 @@ export PYTHONUNBUFFERED=1
 MODEL=configs/models/llama-3.1-8b
 STAGES=${*:-roofline latency_triton tests latency_flashinfer latency_b32 offline hf tests_8b}
 KNOWN=" roofline latency_triton tests latency_flashinfer latency_b4 latency_b32 offline offline_no_overlap latency_fp8 kv_pool \
-offline_1000 offline_1000_g512 offline_1000_fp8 offline_1000_fp8kv offline_b1 profile_b4 pyspy_b4 pyspy_prefill hf tests_8b idle serving tests_tp latency_tp serving_dp tests_fp8kv tests_gemv gemv attn attn_sweep "
+offline_1000 offline_1000_g512 offline_1000_fp8 offline_1000_fp8kv offline_b1 profile_b4 pyspy_b4 pyspy_prefill hf tests_8b idle serving tests_tp latency_tp serving_dp tests_fp8kv tests_decode tests_gemv gemv attn attn_sweep "
 for s in $STAGES; do  # every name checked before anything runs
   [[ $KNOWN == *" $s "* ]] || { echo "unknown stage $s; known:$KNOWN"; exit 2; }
 done
@@ -176,6 +178,8 @@ for s in $STAGES; do
       --json "$RUN/gemv.json" ;;
     tests_gemv) stage tests_gemv 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gemv_gpu.py \
       tests/gpu/test_pipeline_gpu.py ;;
+    tests_decode) wait $WARM; stage tests_decode 220 python3 -m pytest -q -p no:cacheprovider -k "not 8b" \
+      tests/gpu/test_backends_gpu.py tests/gpu/test_fp8_kv_backends.py tests/gpu/test_pipeline_gpu.py ;;
     tests_fp8kv) wait $WARM; stage tests_fp8kv 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_kv_backends.py \
       tests/gpu/test_flashinfer_sampling.py tests/gpu/test_fp8_gpu.py tests/gpu/test_gemv_gpu.py ;;
     tests_tp) wait $WARM; stage tests_tp 200 python3 -m pytest -v -s -p no:cacheprovider -o faulthandler_timeout=100 \

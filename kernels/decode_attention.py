@@ -3,11 +3,7 @@
 Kernel 1, grid (batch, kv_heads, num_splits): a program takes one KV head with its whole group of
 query heads (GQA: the K/V rows are read once for the group) and one contiguous piece of the context;
 it writes a normalised partial output and its log-sum-exp. Kernel 2, grid (batch, q_heads), merges
-the pieces; or, given a counter buffer (split_counters), the last program of each (sequence, KV head)
-to finish merges them in kernel 1: each program counts itself in with an atomic add (acquire-release,
-after a barrier: the whole program's partial is written first), the one that sees every other piece
-arrived reads them back from L2 and writes the output, and sets the counter to zero again for the
-next launch. That saves the second launch and its wait, a few microseconds a layer at decode sizes. The split length is derived from each sequence's length on the device, so the grid
+the pieces. The split length is derived from each sequence's length on the device, so the grid
 depends only on (batch, num_splits): the launch is CUDA-graph safe. Empty pieces (short sequences)
 write lse = -inf and weigh nothing in the merge.
 
@@ -45,15 +41,11 @@ def _decode_split_kernel(
     seq_lens_ptr,
     part_out_ptr,
     part_lse_ptr,
-    counters_ptr,
-    out_ptr,
     scale,
     v_scale,
     stride_qb,
     stride_qh,
     stride_bt,
-    stride_ob,
-    stride_oh,
     num_splits,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -64,8 +56,6 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     Q_TO_F16: tl.constexpr,
-    FUSED_MERGE: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -113,26 +103,6 @@ def _decode_split_kernel(
     part = (b * (NUM_KV_HEADS * GROUP) + heads).to(tl.int64) * num_splits + split
     tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=q_mask)
     tl.store(part_lse_ptr + part, lse, mask=g_mask)
-    if FUSED_MERGE:  # the last piece of (b, kvh) to finish merges them all (see the module docstring)
-        tl.debug_barrier()
-        counter = counters_ptr + b * NUM_KV_HEADS + kvh
-        if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
-            tl.store(counter, 0)
-            base = (b * (NUM_KV_HEADS * GROUP) + heads).to(tl.int64) * num_splits
-            offs_s = tl.arange(0, SPLITS_PAD)
-            lse_mask = g_mask[:, None] & (offs_s[None, :] < num_splits)
-            pieces_lse = tl.load(part_lse_ptr + base[:, None] + offs_s[None, :], mask=lse_mask,
-                                 other=float("-inf"), cache_modifier=".cg")  # fmt: skip
-            pieces_lse = tl.where(g_mask[:, None], pieces_lse, 0.0)  # padded heads: finite, never stored
-            weights = tl.exp(pieces_lse - tl.max(pieces_lse, 1)[:, None])
-            weights = weights / tl.sum(weights, 1)[:, None]
-            merged = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
-            for s in range(num_splits):
-                piece = tl.load(part_out_ptr + (base + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=q_mask,
-                                other=0.0, cache_modifier=".cg")  # fmt: skip
-                merged += piece * tl.sum(tl.where(offs_s[None, :] == s, weights, 0.0), 1)[:, None]
-            dst = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-            tl.store(dst, merged.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
 @triton.jit
@@ -190,14 +160,11 @@ def paged_decode_attention(
     block_n: int = BLOCK_N,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    split_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, D] attends its sequence's cached context -> out [B, Hq, D] (q's dtype). k_scale /
     v_scale: the dequantization scales of an FP8 cache (1.0 otherwise). block_n, num_warps, num_stages:
     the split kernel's tile and launch options (Triton's defaults when None), for tuning benchmarks;
-    num_splits should then come from choose_num_splits(..., block_n). split_counters: int32 zeros, at
-    least B x Hkv of them, left zero again: one launch merges the pieces (see the module docstring);
-    None (or too few) runs the separate merge kernel."""
+    num_splits should then come from choose_num_splits(..., block_n)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -215,20 +182,13 @@ def paged_decode_attention(
     if q_to_f16:
         scale = scale * 256.0  # q was scaled by 2^-8
     launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
-    fused = split_counters is not None and split_counters.numel() >= batch * num_kv_heads
-    if fused and split_counters.dtype != torch.int32:
-        raise ValueError(f"split_counters must be int32, got {split_counters.dtype}")
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, split_counters if fused else part_lse,
-        out, scale * k_scale, v_scale, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0),
-        out.stride(1), num_splits,
+        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse,
+        scale * k_scale, v_scale, q.stride(0), q.stride(1), block_tables.stride(0), num_splits,
         GROUP=group, GROUP_PAD=max(next_power_of_2(group), 16), NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=k_cache.shape[1], BLOCK_N=block_n,
-        PRECISION=dot_precision(q.dtype), Q_TO_F16=q_to_f16, FUSED_MERGE=fused,
-        SPLITS_PAD=next_power_of_2(num_splits), **launch,
+        PRECISION=dot_precision(q.dtype), Q_TO_F16=q_to_f16, **launch,
     )  # fmt: skip
-    if fused:
-        return out
     _decode_merge_kernel[(batch, num_heads)](
         part_out, part_lse, out, out.stride(0), out.stride(1), num_splits,
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_PAD=next_power_of_2(num_splits),

@@ -8,10 +8,9 @@ measured in the same run. Before timing, each case's output is checked against t
 
   python3 scripts/gpu/bench_decode_attention.py --json out.json
 
---triton-configs BLOCK_N:WARPS:STAGES[:SPLITS][:m],... times the Triton decode kernel alone under each
-of those launch options instead (the split kernel's context tile, warps and pipeline stages, and the
-number of context pieces, choose_num_splits' when left out; the merge included, in the split kernel with
-a trailing :m, see split_counters), for both caches at the
+--triton-configs BLOCK_N:WARPS:STAGES[:SPLITS],... times the Triton decode kernel alone under each of
+those launch options instead (the split kernel's context tile, warps and pipeline stages, and the number
+of context pieces, choose_num_splits' when left out; the merge included), for both caches at the
 --sweep-cases (BATCHxCONTEXT,...), each checked against the default options' output. These calls are
 timed inside a CUDA graph (as the appliance runs them): at small batches a call is a few microseconds of
 GPU work, which eager timing would not see under the launch overhead.
@@ -121,9 +120,7 @@ def run_kernel_case(kv_dtype: torch.dtype, batch: int, context: int, config: str
     """The Triton decode kernel alone with one BLOCK_N:WARPS:STAGES[:SPLITS] option set."""
     from tokenspeed_kernels.decode_attention import choose_num_splits, paged_decode_attention
 
-    fields = config.split(":")
-    counters = torch.zeros(batch * KV_HEADS, dtype=torch.int32, device="cuda") if fields[-1] == "m" else None
-    options = [int(v) for v in fields if v != "m"]
+    options = [int(v) for v in config.split(":")]
     block_n, warps, stages = options[:3]
     device = torch.device("cuda")
     per_seq = math.ceil(context / BLOCK)
@@ -142,7 +139,7 @@ def run_kernel_case(kv_dtype: torch.dtype, batch: int, context: int, config: str
                                           choose_num_splits(batch, KV_HEADS, context, sms))
         splits = options[3] if len(options) > 3 else choose_num_splits(batch, KV_HEADS, context, sms, block_n)
         return paged_decode_attention(q, k, v, tables, seq_lens, HEAD_DIM**-0.5, splits, block_n=block_n,
-                                      num_warps=warps, num_stages=stages, split_counters=counters)  # fmt: skip
+                                      num_warps=warps, num_stages=stages)  # fmt: skip
 
     expected, out = call(0, False).float(), call(0, True).float()
     error = ((out - expected).norm() / expected.norm()).item()

@@ -90,10 +90,9 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
                         lambda q=q, k=k, kc=kc, cos=cos, pos=pos, s=scale: kv_write.rotate_and_write_kv(
                             q, k, k.clone(), cos, cos, pos, kc, kc.clone(), pos, s, s)))  # fmt: skip
             dq = torch.zeros(2, heads, dim, dtype=dtype)
-            for counters in (None, torch.zeros(2 * kv_heads, dtype=torch.int32)):
-                out.append((f"decode_attention {dtype} / {cache_dtype}, fused merge {counters is not None}",
-                            lambda dq=dq, kc=kc, s=scale, c=counters: decode_attention.paged_decode_attention(
-                                dq, kc, kc.clone(), table, lens, 0.1, 3, k_scale=s, v_scale=s, split_counters=c)))  # fmt: skip
+            out.append((f"decode_attention {dtype} / {cache_dtype}",
+                        lambda dq=dq, kc=kc, s=scale: decode_attention.paged_decode_attention(
+                            dq, kc, kc.clone(), table, lens, 0.1, 3, k_scale=s, v_scale=s)))  # fmt: skip
             cu = torch.tensor([0, 1, 3], dtype=torch.int32)
             out.append((f"prefill_attention {dtype} / {cache_dtype}",
                         lambda q=q, kc=kc, cu=cu, s=scale: prefill_attention.paged_prefill_attention(

@@ -27,10 +27,6 @@ from app.worker.layers.rotary import Rope
 
 # SM count assumed off-GPU (the interpreter): it only shapes the split count.
 _INTERPRETER_SMS = 4
-# Decode batches up to this many sequences merge their context pieces inside the split kernel (one
-# int32 arrival counter per sequence and KV head, see tokenspeed_kernels.decode_attention); larger
-# ones run the separate merge kernel.
-FUSED_MERGE_MAX_BATCH = 1024
 # Model dtypes the kernels run (the query and output have it; so has the KV cache unless it is FP8).
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FP8_KV_DTYPE = torch.float8_e4m3fn
@@ -75,7 +71,6 @@ class TritonAttentionBackend(AttentionBackend):
 
         self._decode = decode_attention
         self._prefill = prefill_attention
-        self.split_counters = torch.zeros(FUSED_MERGE_MAX_BATCH * spec.num_kv_heads, dtype=torch.int32, device=device)
         self.num_sms = (
             torch.cuda.get_device_properties(device).multi_processor_count
             if device.type == "cuda"
@@ -136,7 +131,6 @@ class TritonAttentionBackend(AttentionBackend):
                 batch.seq_lens_tensor,
                 self.spec.scale,
                 meta.num_splits,
-                split_counters=self.split_counters,
                 **scales,
             )
         assert meta.cu_seqlens_q is not None

@@ -75,7 +75,8 @@ def _rotate_write_kv_kernel(
 ):
     """Program (t, h): token t's query head h, or for h >= num_q_heads its KV head h - num_q_heads
     (rotate k, then write k and v into the token's cache slot). One head a program: at decode sizes
-    one program per token left the step's few tokens on as many SMs (3.3 us a layer at batch 4)."""
+    one program per token left the step's few tokens on as many SMs (H200, batch 4: 3.3 us a layer,
+    2.1 us by head)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     pos = tl.load(pos_ptr + t).to(tl.int64)

@@ -4,8 +4,8 @@ TRITON_INTERPRET=1, which is how the tests run it without a GPU).
 A step whose sequences all feed one token runs the split-K decode kernel; any other step runs the
 prefill/extend kernel over every sequence (a decode row is an extend of length one). The new K/V
 rows go into the cache first, through the fused write kernel (which also applies the rotary embedding
-on CUDA), so both kernels read the whole context from the cache. Decode metadata holds only device tensors of the batch and a split count
-fixed per batch size, so decode steps are CUDA-graph safe.
+on CUDA), so both kernels read the whole context from the cache. Decode metadata holds only device
+tensors of the batch and a split count fixed per batch size, so decode steps are CUDA-graph safe.
 
 An FP8 KV cache (float8_e4m3fn, per-layer scales) is written and read by the same kernels: the write
 quantizes with the layer's k_scale / v_scale, the attention kernels cast the tiles to the query's

@@ -11,11 +11,14 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .common import pdl_options, wait_for_predecessor
+
 BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_predecessor(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -34,7 +37,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, BLOCK))](
-            x2, out, x2.stride(0), out.stride(0), n, BLOCK=BLOCK
+            x2, out, x2.stride(0), out.stride(0), n, BLOCK=BLOCK, **pdl_options()
         )
     return out.view(*x.shape[:-1], n)
 

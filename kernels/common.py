@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 FP8_DTYPE = torch.float8_e4m3fn  # the FP8 KV cache's storage type (Triton's float8e4nv)
 
@@ -33,3 +36,30 @@ def check_rows(name: str, x: torch.Tensor) -> None:
     """x [T, heads, dim]: rows may be strided views (of a fused QKV output), heads and dims contiguous."""
     if x.stride(2) != 1 or (x.shape[1] > 1 and x.stride(1) != x.shape[2]):
         raise ValueError(f"{name} rows must hold contiguous [heads, dim], got strides {tuple(x.stride())}")
+
+
+# Programmatic dependent launch (Hopper and newer): the decode-path kernels are launched so that the
+# next kernel's programs are scheduled while this one's last wave runs, each waiting (griddepcontrol)
+# for its predecessor's memory before touching any. Off until measured against the plain launches on
+# the H200 (scripts/bench_latency.py --pdl); a process sets it before its CUDA graphs are captured.
+_pdl = False
+
+
+def set_pdl(enabled: bool) -> None:
+    global _pdl
+    _pdl = enabled
+
+
+def pdl_options() -> dict[str, bool]:
+    """The launch keywords: the kernel's USE_PDL constexpr, and Triton's launch_pdl when on."""
+    return {"USE_PDL": True, "launch_pdl": True} if _pdl else {"USE_PDL": False}
+
+
+@triton.jit
+def wait_for_predecessor(USE_PDL: tl.constexpr):
+    """A kernel's first statement: under PDL, wait until the previous kernel's memory is visible (before
+    any load or store: no read-after-write nor write-after-read race), then let the next kernel's
+    programs be scheduled."""
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()

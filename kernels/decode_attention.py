@@ -27,7 +27,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import FP8_DTYPE, check_kv_scales, check_last_dim_contiguous, dot_precision, next_power_of_2
+from .common import (
+    FP8_DTYPE,
+    check_kv_scales,
+    check_last_dim_contiguous,
+    dot_precision,
+    next_power_of_2,
+    pdl_options,
+    wait_for_predecessor,
+)
 
 BLOCK_N = 64  # context tokens per tile (128 for an FP8 cache measured the same on the H200)
 
@@ -56,7 +64,9 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     Q_TO_F16: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_predecessor(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -117,7 +127,9 @@ def _decode_merge_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_predecessor(USE_PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -187,11 +199,12 @@ def paged_decode_attention(
         scale * k_scale, v_scale, q.stride(0), q.stride(1), block_tables.stride(0), num_splits,
         GROUP=group, GROUP_PAD=max(next_power_of_2(group), 16), NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=k_cache.shape[1], BLOCK_N=block_n,
-        PRECISION=dot_precision(q.dtype), Q_TO_F16=q_to_f16, **launch,
+        PRECISION=dot_precision(q.dtype), Q_TO_F16=q_to_f16, **launch, **pdl_options(),
     )  # fmt: skip
     _decode_merge_kernel[(batch, num_heads)](
         part_out, part_lse, out, out.stride(0), out.stride(1), num_splits,
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_PAD=next_power_of_2(num_splits),
+        **pdl_options(),
     )  # fmt: skip
     return out
 

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import FP8_DTYPE, check_last_dim_contiguous, dot_precision
+from .common import FP8_DTYPE, check_last_dim_contiguous, dot_precision, pdl_options, wait_for_predecessor
 
 MAX_M = 16
 FMA_MAX_M = 4
@@ -72,7 +72,9 @@ def _gemv_kernel(
     HAS_SCALE: tl.constexpr, USE_DOT: tl.constexpr, W_AS_A: tl.constexpr, FP16_OPERANDS: tl.constexpr,
     X_PRESCALE: tl.constexpr, OUT_FACTOR: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_predecessor(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -132,8 +134,9 @@ def _gemv_kernel(
 @triton.jit
 def _sum_splits_kernel(
     part_ptr, scale_ptr, y_ptr, M, N, stride_ym,
-    SPLIT_K: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr,
+    SPLIT_K: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_predecessor(USE_PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < M * N
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -224,12 +227,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
         HAS_SCALE=scale is not None, USE_DOT=cfg.use_dot, W_AS_A=cfg.w_as_a, FP16_OPERANDS=cfg.fp16_operands,
         X_PRESCALE=prescale, OUT_FACTOR=out_factor, PARTIAL=partial, EVEN_K=k % cfg.block_k == 0,
         PRECISION=dot_precision(torch.float16 if cfg.fp16_operands else x.dtype), BLOCK_M=cfg.block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(),
     )  # fmt: skip
     if partial:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](
-            out, scale_arg, y, m, n, y.stride(0), SPLIT_K=splits, HAS_SCALE=scale is not None, BLOCK=block
+            out, scale_arg, y, m, n, y.stride(0), SPLIT_K=splits, HAS_SCALE=scale is not None, BLOCK=block,
+            **pdl_options(),
         )
     return y
 

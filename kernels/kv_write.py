@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import FP8_DTYPE, check_kv_scales, check_rows, next_power_of_2
+from .common import FP8_DTYPE, check_kv_scales, check_rows, next_power_of_2, pdl_options, wait_for_predecessor
 from .fp8_quant import FP8_MAX, _quantize_e4m3
 from .rotary import check_rotary_args, rotate_halves
 
@@ -72,11 +72,13 @@ def _rotate_write_kv_kernel(
     BLOCK_HALF: tl.constexpr,
     ROW: tl.constexpr,
     FP8: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program (t, h): token t's query head h, or for h >= num_q_heads its KV head h - num_q_heads
     (rotate k, then write k and v into the token's cache slot). One head a program: at decode sizes
     one program per token left the step's few tokens on as many SMs (H200, batch 4: 3.3 us a layer,
     2.1 us by head)."""
+    wait_for_predecessor(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -164,6 +166,7 @@ def rotate_and_write_kv(
         q, k, v, cos, sin, positions, k_cache, v_cache, slot_mapping, q.stride(0), k.stride(0), v.stride(0),
         cos.stride(0), q.shape[1], float(k_scale), float(v_scale),
         HALF=half, BLOCK_HALF=next_power_of_2(half), ROW=v.shape[1] * v.shape[2], FP8=k_cache.dtype == FP8_DTYPE,
+        **pdl_options(),
     )  # fmt: skip
 
 

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import next_power_of_2
+from .common import next_power_of_2, pdl_options, wait_for_predecessor
 
 
 @triton.jit
@@ -26,7 +26,9 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_predecessor(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -50,7 +52,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](
             x2, res2, weight, out, x2.stride(0), res2.stride(0), out.stride(0), x2.shape[1], eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=next_power_of_2(x2.shape[1]),
+            HAS_RESIDUAL=residual is not None, BLOCK=next_power_of_2(x2.shape[1]), **pdl_options(),
         )  # fmt: skip
     return out.view(*x.shape[:-1], x.shape[-1])
 

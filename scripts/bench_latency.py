@@ -113,11 +113,20 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--pdl", action="store_true",
+                        help="launch the decode kernels with programmatic dependent launch (see make_runner)")  # fmt: skip
 
 
-def make_runner(settings: Any, device: torch.device, tensor_parallel_size: int = 1) -> Any:
+def make_runner(settings: Any, device: torch.device, tensor_parallel_size: int = 1, pdl: bool = False) -> Any:
     """A warmed-up ModelRunner, or with TP > 1 rank 0's (the other ranks in spawned processes, on the next
-    GPUs; app/worker/tp_group.py). Its weights_bytes are one rank's share."""
+    GPUs; app/worker/tp_group.py). Its weights_bytes are one rank's share. pdl: launch the decode kernels
+    with programmatic dependent launch (tokenspeed_kernels.common.set_pdl; one GPU, Hopper or newer)."""
+    if pdl:
+        if tensor_parallel_size > 1 or device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
+            raise SystemExit("--pdl runs on one GPU of compute capability 9.0 or newer (Hopper)")
+        from tokenspeed_kernels.common import set_pdl
+
+        set_pdl(True)
     if tensor_parallel_size > 1:
         from app.worker.tp_group import start_tp_group
 
@@ -236,7 +245,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         max_model_len=args.max_model_len or need,
         chunked_prefill_size=max(args.chunked_prefill_size, args.input_len),
     )
-    runner = make_runner(settings, device, args.tensor_parallel_size)
+    runner = make_runner(settings, device, args.tensor_parallel_size, args.pdl)
     device = runner.device  # with its index
     ready_s = time.perf_counter() - started
     blocks = math.ceil(need / runner.block_size)

@@ -66,6 +66,23 @@ def test_pipelined_steps_match_plain_execute_with_cuda_graphs(model_dir: Path) -
         assert not any(runner.slots.active)
 
 
+def test_programmatic_dependent_launch_gives_the_same_tokens(model_dir: Path) -> None:
+    """Kernels launched with PDL (tokenspeed_kernels.common.set_pdl), graphs captured with it, pipelined:
+    the tokens of the plain launches. Each kernel waits for its predecessor before any memory access, so
+    a wrong placement shows as a race here."""
+    from tokenspeed_kernels.common import set_pdl
+
+    runner = cuda_runner(model_dir)
+    reference = run_plain(runner, plans_for(runner))
+    set_pdl(True)
+    try:
+        for _ in range(2):
+            runner = cuda_runner(model_dir)  # fresh sampler generators, as the reference had
+            assert run_pipelined(runner, plans_for(runner), 2) == reference
+    finally:
+        set_pdl(False)
+
+
 COMMON = [
     SamplingParams(temperature=0.0, min_new_tokens=20),  # EOS masked: mask_tokens
     SamplingParams(temperature=0.8, top_k=20, seed=1, logit_bias={3: 2.0}),

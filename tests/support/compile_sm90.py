@@ -5,7 +5,8 @@ TRITON_INTERPRET). Triton's interpreter runs kernel bodies as Python, so the CPU
 only the GPU compiler rejects (a value retyped inside a runtime branch, a bad constexpr use); two such
 kernels reached the GPU once. Here a stand-in driver reports an sm_90 device and each launch only
 compiles (Triton's warm-up path): the launchers run for real on CPU tensors, with the appliance's
-dtypes and the GEMV's configurations, through ptxas. Prints the kernels compiled; exits 1 on a failure.
+dtypes and the GEMV's configurations, through ptxas, with programmatic dependent launch off and on
+(tokenspeed_kernels.common.set_pdl). Prints the kernels compiled; exits 1 on a failure.
 """
 
 from __future__ import annotations
@@ -128,13 +129,17 @@ def gemv_cases(gemv) -> list[tuple[str, Callable[[], object]]]:  # noqa: ANN001
 def main() -> int:
     driver.set_active(Sm90Driver())
     jit.JITFunction.run = _compile_only
+    from tokenspeed_kernels.common import set_pdl
+
     failures = 0
-    for name, launch in cases():
-        try:
-            launch()
-        except Exception:
-            failures += 1
-            print(f"FAILED {name}\n{traceback.format_exc(limit=-3)}", file=sys.stderr)
+    for pdl in (False, True):
+        set_pdl(pdl)
+        for name, launch in cases():
+            try:
+                launch()
+            except Exception:
+                failures += 1
+                print(f"FAILED {name} (PDL {pdl})\n{traceback.format_exc(limit=-3)}", file=sys.stderr)
     print("compiled:", " ".join(sorted(compiled)))
     return 1 if failures else 0
 

@@ -16,8 +16,9 @@
 #                            where the host's time goes in an eager prefill: ~50 s
 #   profile_b4               4 requests of 1024 in / 256 out in process, torch.profiler over 20 decode steps: each
 #                            kernel's GPU time and calls, and the GPU's busy share (4-stream TPOT): ~50 s
-#   latency_pdl              its GPU test, then batch 1 and 4, flashinfer, the decode kernels launched with
-#                            programmatic dependent launch (bench_latency --pdl) and without, side by side: ~110 s
+#   latency_pdl              its GPU test, then batch 1 and 4 (and batch 1 with FP8 weights), flashinfer, the
+#                            decode kernels launched with programmatic dependent launch (bench_latency --pdl)
+#                            and without, side by side: ~150 s
 #   latency_fp8              batch-1 flashinfer latency, bf16 weights then FP8 (quantized at load): ~70 s
 #   kv_pool                  start-up only, bf16 KV then FP8 KV: kv_pool_tokens of each: ~50 s, plus
 #                            ~110 s the first time for flashinfer's FP8-KV kernels (JIT; then cached)
@@ -136,7 +137,9 @@ for s in $STAGES; do
     latency_pdl)
       wait $WARM
       stage tests_pdl 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_pipeline_gpu.py -k programmatic
-      for b in 1 4; do latency latency_pdl_b$b flashinfer $b --pdl; latency latency_plain_b$b flashinfer $b; done ;;
+      for b in 1 4; do latency latency_pdl_b$b flashinfer $b --pdl; latency latency_plain_b$b flashinfer $b; done
+      latency latency_pdl_fp8_b1 flashinfer 1 --pdl --quantization fp8
+      latency latency_plain_fp8_b1 flashinfer 1 --quantization fp8 ;;
     latency_b32) wait $WARM; latency latency_flashinfer_b32 flashinfer 32; latency latency_triton_b32 triton 32 ;;
     # One request in process: the overlapped engine loop's batch-1 step, without the appliance's processes.
     offline_b1) wait $WARM; run_offline offline_b1 120 --num-requests 1 --input-len 1024 --output-len 512 --max-num-seqs 8 ;;

@@ -123,3 +123,19 @@ def test_both_drives_give_every_request_the_models_greedy_tokens(model_dir: Path
         expected = greedy_reference(reference, request.prompt_ids, OUTPUT_LEN)
         assert outcomes[True].outputs[request.rid] == expected
     assert len({tuple(ids) for ids in outcomes[True].outputs.values()}) > 1  # not one collapsed answer
+
+
+def test_idle_gaps_are_summed_per_pair_of_neighbours() -> None:
+    """The profile's idle report: gaps between device events by GPU time, overlapping events (another
+    stream) closing no gap, largest first."""
+    from types import SimpleNamespace
+
+    def event(start: float, end: float, name: str) -> Any:
+        return SimpleNamespace(time_range=SimpleNamespace(start=start, end=end), name=name)
+
+    events = [event(0, 10, "a"), event(15, 20, "b"), event(20, 30, "c"), event(25, 28, "d"), event(40, 50, "a"),
+              event(55, 60, "b"), event(100, 101, "c")]  # fmt: skip
+    gaps = bench_offline.idle_gaps(events)
+    assert [(g["before"], g["after"], g["count"]) for g in gaps] == [("b", "c", 1), ("a", "b", 2), ("c", "a", 1)]
+    assert gaps[0]["ms"] == pytest.approx(0.040) and gaps[1]["ms"] == pytest.approx(0.010)
+    assert bench_offline.idle_gaps([]) == []

@@ -5,7 +5,22 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+try:  # Triton 3.4 and newer
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    PDL_AVAILABLE = True
+except ImportError:  # an older Triton: the kernels compile without the PDL branch (set_pdl refuses)
+
+    @triton.jit
+    def gdc_wait():
+        pass
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
+
+    PDL_AVAILABLE = False
 
 FP8_DTYPE = torch.float8_e4m3fn  # the FP8 KV cache's storage type (Triton's float8e4nv)
 
@@ -46,6 +61,8 @@ _pdl = False
 
 
 def set_pdl(enabled: bool) -> None:
+    if enabled and not PDL_AVAILABLE:
+        raise RuntimeError(f"programmatic dependent launch needs Triton 3.4 or newer, not {triton.__version__}")
     global _pdl
     _pdl = enabled
 

@@ -175,6 +175,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 return await one_request(client, args, job)
 
         tasks = []
+        started_at = time.time()  # epoch: matches the server's per-request stats to this run
         started = time.perf_counter()
         for job in jobs:
             tasks.append(asyncio.create_task(limited(job)))
@@ -182,7 +183,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         outcomes = await asyncio.gather(*tasks)
         duration = time.perf_counter() - started
-    return summarize(args, jobs, outcomes, duration)
+    return summarize(args, jobs, outcomes, duration, started_at)
 
 
 def request_detail(job: Job, out: Outcome) -> dict[str, Any]:
@@ -193,7 +194,7 @@ def request_detail(job: Job, out: Outcome) -> dict[str, Any]:
 
 
 def summarize(
-    args: argparse.Namespace, jobs: list[Job], outcomes: list[Outcome], duration: float
+    args: argparse.Namespace, jobs: list[Job], outcomes: list[Outcome], duration: float, started_at: float = 0.0
 ) -> dict[str, Any]:
     ok = [o for o in outcomes if o.ok]
     tpot = [(o.e2e - o.ttft) / (o.output_tokens - 1) for o in ok if o.output_tokens > 1]
@@ -206,7 +207,7 @@ def summarize(
         "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
         "completed": len(ok), "failed": len(outcomes) - len(ok),
         "errors": sorted({o.error for o in outcomes if not o.ok})[:5],
-        "duration_s": duration,
+        "duration_s": duration, "started_at": started_at,
         "request_throughput": len(ok) / duration,
         "output_token_throughput": output_tokens / duration,
         "total_token_throughput": (output_tokens + prompt_tokens) / duration,

@@ -18,10 +18,11 @@ PORT=8000
 MODEL=/tmp/llama-3.1-8b-wordlevel
 [ -d $MODEL ] || python3 scripts/gpu/wordlevel_tokenizer.py configs/models/llama-3.1-8b $MODEL || exit 1
 t0=$(date +%s.%N)
+# Per-request stats in the log: summarize.py splits each TTFT into the scheduler's part and the rest.
 # shellcheck disable=SC2086  # SERVE_FLAGS is a list of flags
 python3 -m app.cli serve $MODEL --load-format dummy --dtype bfloat16 --device cuda \
   ${BACKEND:+--attention-backend "$BACKEND"} --max-model-len 4096 --max-num-seqs "${MAX_NUM_SEQS:-64}" \
-  --port $PORT ${SERVE_FLAGS:-} > "$RUN/$NAME-serve.log" 2>&1 &
+  --enable-log-request-stats --port $PORT ${SERVE_FLAGS:-} > "$RUN/$NAME-serve.log" 2>&1 &
 SERVER=$!
 trap 'kill -TERM $SERVER 2>/dev/null; wait $SERVER' EXIT
 for _ in $(seq 1 240); do

@@ -11,6 +11,8 @@ usage: summarize.py RUN_DIR OUT_JSON"""
 from __future__ import annotations
 
 import json
+import re
+import statistics
 import sys
 from collections import Counter
 from pathlib import Path
@@ -172,6 +174,45 @@ def pyspy_lines(run: Path, top: int = 5) -> list[str]:
     return lines
 
 
+_STATS = re.compile(r"Finish! RequestStats\((.*)\)")
+_FIELD = re.compile(r"(\w+)=([-\w.']+)")
+
+
+def request_stats(log: str) -> list[dict[str, float | None]]:
+    """The scheduler's per-request lines (--enable-log-request-stats) of a server log: the numeric fields."""
+    rows = []
+    for match in _STATS.finditer(log):
+        fields = dict(_FIELD.findall(match.group(1)))
+        rows.append({k: None if v == "None" else float(v) for k, v in fields.items() if not v.startswith("'")})
+    return rows
+
+
+def scheduler_lines(run: Path, results: dict[str, dict]) -> list[str]:
+    """Each serving benchmark's TTFT split: the scheduler's view (HTTP arrival to the first token, from the
+    server log's per-request stats within the benchmark's time window) against the client's."""
+    lines = []
+    for name, r in results.items():
+        if not isinstance(r, dict) or "started_at" not in r or "ttft_ms" not in r:
+            continue
+        logs = [p for p in run.glob("*-serve.log") if name.startswith(p.name.removesuffix("-serve.log"))]
+        if not logs:
+            continue
+        window = (r["started_at"], r["started_at"] + r["duration_s"])
+        rows = [s for s in request_stats(logs[0].read_text(errors="replace"))
+                if s.get("recv_ts") is not None and window[0] - 0.5 <= s["recv_ts"] <= window[1]]  # fmt: skip
+
+        def p50(key: str, rows: list = rows) -> float | None:
+            values = [s[key] for s in rows if s.get(key) is not None]
+            return statistics.median(values) if values else None
+
+        client, server = r["ttft_ms"]["p50"], p50("ttft_ms")
+        outside = client - server if client is not None and server is not None else None
+        lines.append(f"{name}, scheduler's view of {len(rows)} requests: queue p50 {fmt(p50('queue_ms'))} ms, "
+                     f"prefill p50 {fmt(p50('prefill_ms'))} ms, TTFT p50 {fmt(server)} ms against the client's "
+                     f"{fmt(client)} ms ({fmt(outside)} ms outside the scheduler)")  # fmt: skip
+    return lines
+
+
 def table(results: dict[str, dict]) -> list[str]:
     ratios = ratio_lines(results)
     dicts = {name: r for name, r in results.items() if isinstance(r, dict)}
@@ -185,7 +226,7 @@ def main() -> None:
     out.write_text(json.dumps(results, indent=2) + "\n")
     for status in sorted(run.glob("*.status")):
         print(f"{status.stem}: {status.read_text().strip()}")
-    print("\n".join(table(results) + pyspy_lines(run)))
+    print("\n".join(table(results) + scheduler_lines(run, results) + pyspy_lines(run)))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,39 @@
+"""scripts/gpu/summarize.py's TTFT split: the scheduler's per-request stats of a serving benchmark's window."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from app.metrics.request_stats import RequestStats
+from scripts.gpu import summarize
+
+T0 = 1_764_523_456.0
+
+
+def stats_line(rid: str, recv_ts: float, ttft_ms: float | None) -> str:
+    stats = RequestStats(status="finished", reason="length", prompt_tokens=1024, cache_tokens=0, output_tokens=128,
+                         cache_hit_rate=0.0, queue_ms=3.0, prefill_ms=20.0, ttft_ms=ttft_ms, total_ms=700.0,
+                         preempt_ms=0.0, preempt_count=0, decode_tps=210.0, acc_len=None, acc_rate=None,
+                         recv_ts=recv_ts, commit_ts=None, finish_ts=recv_ts + 0.7)  # fmt: skip
+    return f"INFO tokenspeed.scheduler: Req: {rid} Finish! {stats!r}"
+
+
+def test_scheduler_view_of_each_benchmark_window(tmp_path: Path) -> None:
+    log = [stats_line("a", T0 + 1, 30.0), stats_line("b", T0 + 2, 34.0), stats_line("c", T0 + 3, None),
+           stats_line("d", T0 + 50, 90.0)]  # fmt: skip
+    (tmp_path / "serving-serve.log").write_text("\n".join(["starting", *log, "stopped"]))
+    results = {
+        "serving-b1": {"started_at": T0, "duration_s": 10.0, "ttft_ms": {"p50": 40.0}},
+        "serving": {"started_at": T0 + 49, "duration_s": 5.0, "ttft_ms": {"p50": 95.0}},
+        "latency_flashinfer_b1": {"prefill_ms": 14.9},
+    }
+    for name, r in results.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(r))
+    lines = summarize.scheduler_lines(tmp_path, summarize.load(tmp_path))
+    assert lines == [
+        "serving-b1, scheduler's view of 3 requests: queue p50 3.0 ms, prefill p50 20.0 ms, TTFT p50 32.0 ms "
+        "against the client's 40.0 ms (8.0 ms outside the scheduler)",
+        "serving, scheduler's view of 1 requests: queue p50 3.0 ms, prefill p50 20.0 ms, TTFT p50 90.0 ms "
+        "against the client's 95.0 ms (5.0 ms outside the scheduler)",
+    ]

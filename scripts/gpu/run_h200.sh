@@ -8,7 +8,8 @@
 # lives in .fi_cache/ (carry it in, or packed as .fi_cache.tar.gz: it comes back as $OUT/fi_cache.tar.gz) and compiles in the
 # background while the first stages run. Default stages: roofline latency_triton tests
 # latency_flashinfer latency_b32 offline hf tests_8b. Named only (each with its own time needs):
-#   idle serving             GPU idle between steps; the whole appliance over HTTP (PYSPY_BENCH=b1: py-spy on it)
+#   idle serving             GPU idle between steps; the whole appliance over HTTP (PYSPY_BENCH=b1: py-spy on it;
+#                            summarize.py splits each TTFT into the scheduler's part and the rest)
 #   offline_b1               one request of 1024 in / 512 out in process (the overlapped loop at batch 1): ~40 s
 #   pyspy_b4                 the profile_b4 run (1024 out) under py-spy (idle frames included): where the host's
 #                            time goes in the overlapped loop (pyspy_b4-offline.pyspy.txt, collapsed stacks): ~50 s
@@ -35,8 +36,8 @@
 #   gemv                     decode-sized GEMVs (kernels/gemv.py) swept per 8B shape and row count, bf16 and FP8
 #                            weights, against cuBLAS and the old FP8 GEMV: GEMV_BUDGET (200) s + ~40 s
 #   tests_gemv               GPU tests of kernels/gemv.py and of the pipelined steps (no host sync at launch): ~60 s
-#   tests_decode             GPU tests of the decode step's kernels and backends (fused merge, fused rotary + KV
-#                            write, both caches, graphs vs eager) and of the pipelined steps: ~150 s
+#   tests_decode             GPU tests of the decode step's kernels and backends (fused rotary + KV write, both
+#                            caches, graphs vs eager) and of the pipelined steps (PDL included): ~60 s
 #   tests_fp8kv              GPU tests of the FP8 KV backends, flashinfer sampling and FP8 GEMMs: ~150 s
 #   tests_tp latency_tp      two GPUs (nvidia-h200-x2): TP=2 GPU tests; batch-1 decode at TP=1 and TP=2
 #   serving_dp               two GPUs: the appliance at 1 replica, then --data-parallel-size 2: ~300 s

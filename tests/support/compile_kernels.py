@@ -1,12 +1,13 @@
-"""Compile every Triton kernel of tokenspeed_kernels for the H200 (sm_90), without a GPU.
+"""Compile every Triton kernel of tokenspeed_kernels for the H200 (sm_90) and the A100 (sm_80), without a GPU.
 
-Run as a script (tests/unit/test_kernels_compile_sm90.py does, in a fresh process without
-TRITON_INTERPRET). Triton's interpreter runs kernel bodies as Python, so the CPU tests cannot see what
-only the GPU compiler rejects (a value retyped inside a runtime branch, a bad constexpr use); two such
-kernels reached the GPU once. Here a stand-in driver reports an sm_90 device and each launch only
-compiles (Triton's warm-up path): the launchers run for real on CPU tensors, with the appliance's
-dtypes and the GEMV's configurations, through ptxas, with programmatic dependent launch off and on
-(tokenspeed_kernels.common.set_pdl). Prints the kernels compiled; exits 1 on a failure.
+Run as a script (tests/unit/test_kernels_compile.py does, in a fresh process without TRITON_INTERPRET).
+Triton's interpreter runs kernel bodies as Python, so the CPU tests cannot see what only the GPU
+compiler rejects (a value retyped inside a runtime branch, a bad constexpr use); two such kernels
+reached the GPU once. Here a stand-in driver reports the device and each launch only compiles
+(Triton's warm-up path): the launchers run for real on CPU tensors, with the appliance's dtypes and the
+GEMV's configurations, through ptxas. sm_90: everything, with programmatic dependent launch off and on
+(tokenspeed_kernels.common.set_pdl); sm_80: all but the FP8 cases (FP8 needs sm_89), PDL off. Prints
+the kernels compiled; exits 1 on a failure.
 """
 
 from __future__ import annotations
@@ -24,17 +25,21 @@ FP8 = torch.float8_e4m3fn
 HALF_TYPES = (torch.bfloat16, torch.float16)
 
 
-class Sm90Driver:
-    """What compiling asks of the driver: a device, a stream and its target."""
+class StandInDriver:
+    """What compiling asks of the driver: a device, a stream and its target. Each capability is its own
+    device number: Triton keeps a device's target with its compiled kernels."""
+
+    def __init__(self, capability: int = 90) -> None:
+        self.capability = capability
 
     def get_current_device(self) -> int:
-        return 0
+        return self.capability
 
     def get_current_stream(self, device: int | None = None) -> int:
         return 0
 
     def get_current_target(self) -> GPUTarget:
-        return GPUTarget("cuda", 90, 32)
+        return GPUTarget("cuda", self.capability, 32)
 
     def get_active_torch_device(self) -> torch.device:
         return torch.device("cpu")
@@ -98,7 +103,7 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
             out.append((f"prefill_attention {dtype} / {cache_dtype}",
                         lambda q=q, kc=kc, cu=cu, s=scale: prefill_attention.paged_prefill_attention(
                             q, kc, kc.clone(), table, cu, lens, 2, 0.1, k_scale=s, v_scale=s)))  # fmt: skip
-        out.append((f"quantize_rows {dtype}", lambda x=x: fp8_quant.quantize_rows(x)))
+        out.append((f"quantize_rows {dtype} -> float8", lambda x=x: fp8_quant.quantize_rows(x)))
     indptr = torch.tensor([0, 2, 5], dtype=torch.int32)
     out.append(("flatten_block_tables", lambda: page_table.flatten_block_tables(table, indptr, 5)))
     out += gemv_cases(gemv)
@@ -127,19 +132,22 @@ def gemv_cases(gemv) -> list[tuple[str, Callable[[], object]]]:  # noqa: ANN001
 
 
 def main() -> int:
-    driver.set_active(Sm90Driver())
     jit.JITFunction.run = _compile_only
     from tokenspeed_kernels.common import set_pdl
 
     failures = 0
-    for pdl in (False, True):
+    for capability, pdl in ((90, False), (90, True), (80, False)):
+        driver.set_active(StandInDriver(capability))
         set_pdl(pdl)
         for name, launch in cases():
+            if capability < 89 and "float8" in name:
+                continue
             try:
                 launch()
             except Exception:
                 failures += 1
-                print(f"FAILED {name} (PDL {pdl})\n{traceback.format_exc(limit=-3)}", file=sys.stderr)
+                print(f"FAILED {name} (sm_{capability}, PDL {pdl})\n{traceback.format_exc(limit=-3)}",
+                      file=sys.stderr)  # fmt: skip
     print("compiled:", " ".join(sorted(compiled)))
     return 1 if failures else 0
 

@@ -47,6 +47,15 @@ def check_kv_scales(cache: torch.Tensor, k_scale: float, v_scale: float) -> None
         raise ValueError(f"KV scales must be positive, got {k_scale} and {v_scale}")
 
 
+def check_kv_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float, v_scale: float) -> None:
+    """The layer's K and V caches a kernel writes: one dtype, contiguous, scales that suit it."""
+    check_kv_scales(k_cache, k_scale, v_scale)
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"the K and V caches differ in dtype: {k_cache.dtype} and {v_cache.dtype}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the KV cache tensors must be contiguous")
+
+
 def check_rows(name: str, x: torch.Tensor) -> None:
     """x [T, heads, dim]: rows may be strided views (of a fused QKV output), heads and dims contiguous."""
     if x.stride(2) != 1 or (x.shape[1] > 1 and x.stride(1) != x.shape[2]):
@@ -67,9 +76,14 @@ def set_pdl(enabled: bool) -> None:
     _pdl = enabled
 
 
+_PDL_ON = {"USE_PDL": True, "launch_pdl": True}
+_PDL_OFF = {"USE_PDL": False}
+
+
 def pdl_options() -> dict[str, bool]:
-    """The launch keywords: the kernel's USE_PDL constexpr, and Triton's launch_pdl when on."""
-    return {"USE_PDL": True, "launch_pdl": True} if _pdl else {"USE_PDL": False}
+    """The launch keywords (not to be modified): the kernel's USE_PDL constexpr, and Triton's launch_pdl
+    when on."""
+    return _PDL_ON if _pdl else _PDL_OFF
 
 
 @triton.jit

@@ -183,7 +183,7 @@ def test_fused_rotary_and_kv_write_on_cuda_equal_the_two_kernels(kv_dtype: torch
         x, caches = qkv.clone(), [torch.zeros(8, 16, 8, 128, device="cuda").to(kv_dtype) for _ in range(2)]
         xq, xk, xv = x[:, :4096].view(5, 32, 128), x[:, 4096:5120].view(5, 8, 128), x[:, 5120:].view(5, 8, 128)
         if fused:
-            kv_write.rotate_and_write_kv(xq, xk, xv, cos, sin, pos, *caches, slots, *scales.values())
+            rotary.rotate_and_write_kv(xq, xk, xv, cos, sin, pos, *caches, slots, *scales.values())
         else:
             rotary.rotary_inplace(xq, xk, cos, sin, pos)
             kv_write.write_kv(xk, xv, *caches, slots, *scales.values())

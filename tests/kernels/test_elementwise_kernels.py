@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 from tokenspeed_kernels.activation import silu_and_mul, silu_and_mul_reference
-from tokenspeed_kernels.kv_write import rotate_and_write_kv, write_kv
+from tokenspeed_kernels.kv_write import write_kv
 from tokenspeed_kernels.rmsnorm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
-from tokenspeed_kernels.rotary import rotary_inplace, rotary_reference
+from tokenspeed_kernels.rotary import rotary_inplace, rotary_reference, rotate_and_write_kv
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -93,7 +93,7 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
             out.append((f"write_kv {dtype} -> {cache_dtype}",
                         lambda k=k, kc=kc, pos=pos, s=scale: kv_write.write_kv(k, k, kc, kc.clone(), pos, s, s)))
             out.append((f"rotate_and_write_kv {dtype} -> {cache_dtype}",
-                        lambda q=q, k=k, kc=kc, cos=cos, pos=pos, s=scale: kv_write.rotate_and_write_kv(
+                        lambda q=q, k=k, kc=kc, cos=cos, pos=pos, s=scale: rotary.rotate_and_write_kv(
                             q, k, k.clone(), cos, cos, pos, kc, kc.clone(), pos, s, s)))  # fmt: skip
             dq = torch.zeros(2, heads, dim, dtype=dtype)
             out.append((f"decode_attention {dtype} / {cache_dtype}",

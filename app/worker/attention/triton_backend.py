@@ -160,11 +160,12 @@ def write_new_tokens(
     rotated. One kernel where the rope runs fused (CUDA), the torch rotation then the write elsewhere."""
     caches = (kv_cache.k[layer_idx], kv_cache.v[layer_idx], slot_mapping)
     scales = (kv_cache.k_scales[layer_idx], kv_cache.v_scales[layer_idx])
-    kv_write = kernel_module("kv_write")
     if rope is not None and rope.fused:
-        kv_write.rotate_and_write_kv(q, k, v, rope.rotary.cos, rope.rotary.sin, rope.positions, *caches, *scales)
+        kernel_module("rotary").rotate_and_write_kv(
+            q, k, v, rope.rotary.cos, rope.rotary.sin, rope.positions, *caches, *scales
+        )
         return q
     if rope is not None:
         q, k = rope.apply(q, k)
-    kv_write.write_kv(k, v, *caches, *scales)
+    kernel_module("kv_write").write_kv(k, v, *caches, *scales)
     return q

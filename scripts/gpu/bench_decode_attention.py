@@ -34,6 +34,7 @@ from app.worker.attention import AttentionSpec, build_attention_batch  # noqa: E
 from app.worker.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from app.worker.kv_cache import KVCache, KVCacheSpec  # noqa: E402
 from scripts.bench_latency import copy_bandwidth  # noqa: E402
+from scripts.gpu.bench_gemv import time_ms  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 LAYERS = 2  # alternated between calls
@@ -92,22 +93,6 @@ def median_ms(call: Callable[[int], Any], reps: int) -> float:
     return times[len(times) // 2]
 
 
-def graph_ms(call: Callable[[int], Any], reps: int) -> float:
-    """The time of one call(i) inside a CUDA graph of reps calls: the median of 5 replays, over reps."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up off the capture (compiles, allocator)
-        for i in range(2):
-            call(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(reps):
-            call(i)
-    graph.replay()
-    return median_ms(lambda _: graph.replay(), 6) / reps
-
-
 def result_row(name: str, kv_dtype: torch.dtype, batch: int, context: int, ms: float, error: float) -> dict[str, Any]:
     kv_bytes = batch * context * KV_HEADS * HEAD_DIM * 2 * kv_dtype.itemsize
     return {"backend": name, "kv_dtype": str(kv_dtype).removeprefix("torch."), "batch": batch,
@@ -143,7 +128,7 @@ def run_kernel_case(kv_dtype: torch.dtype, batch: int, context: int, config: str
 
     expected, out = call(0, False).float(), call(0, True).float()
     error = ((out - expected).norm() / expected.norm()).item()
-    ms = graph_ms(lambda i: call(i % 2, True), reps)
+    ms = time_ms(lambda i: call(i % 2, True), reps)  # per call, inside one CUDA graph of reps calls
     return result_row(f"triton {config}", kv_dtype, batch, context, ms, error)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.worker.sampling.reduce import argmax_in_pieces, argmax_rows, max_in_pieces, max_rows
+from app.worker.sampling.reduce import argmax_in_pieces, argmax_rows, max_in_pieces, max_rows, piece_width
 
 
 def rows_with_ties() -> torch.Tensor:
@@ -38,3 +38,8 @@ def test_cpu_rows_take_one_pass() -> None:
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1)) and torch.equal(max_rows(x), x.amax(dim=-1))
     odd = torch.randn(2, 1001)  # no power-of-two factor: one pass on any device
     assert torch.equal(argmax_rows(odd), odd.argmax(dim=-1))
+
+
+def test_piece_widths() -> None:
+    """Llama-3's vocabulary splits into 256-wide pieces, Qwen's into 128; an odd one takes one pass."""
+    assert [piece_width(v) for v in (128_256, 151_936, 1 << 20, 1001, 32_000)] == [256, 128, 1024, 0, 256]

@@ -15,11 +15,15 @@ _MAX_PIECE = 1024
 _MIN_PIECE = 64  # a vocabulary with no power-of-two factor this large is reduced in one pass
 
 
-def _piece(x: torch.Tensor) -> int:
-    """The piece width: the largest power of two that divides V, up to 1024; 0 for one pass."""
-    vocab = x.shape[-1]
+def piece_width(vocab: int) -> int:
+    """The largest power of two that divides the vocabulary, up to 1024; 0 (one pass) below 64."""
     piece = min(vocab & -vocab, _MAX_PIECE)
-    return piece if x.is_cuda and x.dim() == 2 and x.is_contiguous() and piece >= _MIN_PIECE else 0
+    return piece if piece >= _MIN_PIECE else 0
+
+
+def _piece(x: torch.Tensor) -> int:
+    """The piece width for these rows: two passes on CUDA only (the CPU's one pass is not slow)."""
+    return piece_width(x.shape[-1]) if x.is_cuda and x.dim() == 2 and x.is_contiguous() else 0
 
 
 def max_rows(x: torch.Tensor) -> torch.Tensor:

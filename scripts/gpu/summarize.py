@@ -191,14 +191,16 @@ def scheduler_lines(run: Path, results: dict[str, dict]) -> list[str]:
     """Each serving benchmark's TTFT split: the scheduler's view (HTTP arrival to the first token, from the
     server log's per-request stats within the benchmark's time window) against the client's."""
     lines = []
+    stats = {p.name.removesuffix("-serve.log"): request_stats(p.read_text(errors="replace"))
+             for p in run.glob("*-serve.log")}  # fmt: skip
     for name, r in results.items():
         if not isinstance(r, dict) or "started_at" not in r or "ttft_ms" not in r:
             continue
-        logs = [p for p in run.glob("*-serve.log") if name.startswith(p.name.removesuffix("-serve.log"))]
-        if not logs:
+        servers = [server for server in stats if name.startswith(server)]
+        if not servers:
             continue
         window = (r["started_at"], r["started_at"] + r["duration_s"])
-        rows = [s for s in request_stats(logs[0].read_text(errors="replace"))
+        rows = [s for s in stats[servers[0]]
                 if s.get("recv_ts") is not None and window[0] - 0.5 <= s["recv_ts"] <= window[1]]  # fmt: skip
 
         def p50(key: str, rows: list = rows) -> float | None:

@@ -54,6 +54,7 @@ def runner_settings(args: argparse.Namespace, **overrides: Any) -> Any:
         "quantization": args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype,
         "max_total_tokens": args.max_total_tokens,
+        "piecewise_cuda_graph_max_tokens": args.piecewise_cuda_graph_max_tokens,
     }
     if args.attention_backend:
         fields["attention_backend"] = args.attention_backend
@@ -80,6 +81,7 @@ def runner_figures(runner: Any, args: argparse.Namespace) -> dict[str, Any]:
         "kv_bytes_per_token": runner.model.kv_cache_spec(runner.kv_dtype).bytes_per_token,
         "max_total_tokens": args.max_total_tokens,
         "cuda_graph_sizes": info["cuda_graph_sizes"],
+        "piecewise_graph_sizes": info["piecewise_graph_sizes"],
         "startup_phases_s": info["startup_phases"],
     }
 
@@ -108,6 +110,8 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="largest decode batch captured (default 256)",
     )
+    parser.add_argument("--piecewise-cuda-graph-max-tokens", type=int, default=2048,
+                        help="largest prefill or mixed step run as CUDA graph pieces (0: all eager)")  # fmt: skip
     parser.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="TP ranks (rank 0 here, the rest spawned; next GPUs)"
     )

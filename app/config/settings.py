@@ -298,6 +298,10 @@ class Settings(BaseSettings):
     ttft_timeout: float | None = _f(
         None, "Seconds a request may wait for its first token; past it the request is aborted and the client "
         "gets 504. Unset: no limit.", APPLIANCE, origin="appliance", gt=0)
+    piecewise_cuda_graph_max_tokens: int = _f(
+        2048, "Largest prefill or mixed step, in tokens, run as CUDA graph pieces cut at each layer's attention "
+        "(token buckets up to it are captured at start-up; larger steps run eagerly). 0: none. Off with "
+        "--enforce-eager.", APPLIANCE, origin="appliance", ge=0)
     heartbeat_timeout: float = _f(
         30.0, "Seconds the http, tokenizer or scheduler process may go without a liveness heartbeat before the "
         "supervisor declares it wedged and stops the appliance (exit 1).", APPLIANCE, origin="appliance", gt=0)

@@ -55,6 +55,7 @@ from app.worker.loader import (
 )
 from app.worker.models import DenseCausalLM, model_class_for
 from app.worker.parallel import SINGLE, TensorParallel
+from app.worker.piecewise_graphs import DEFAULT_MAX_TOKENS, PiecewiseGraphs, bucket_sizes
 from app.worker.quantization import (
     Fp8LinearMethod,
     fp8_kv_backend,
@@ -209,6 +210,7 @@ class ModelRunner:
         if self.attention_backend_name == "flashinfer" and settings.attention_backend is None:
             self.attention_backend_name = self._flashinfer_or_triton()
         self.graph_sizes = self._graph_sizes()
+        self.piece_sizes = self._piece_sizes()
         self.graph_reserve_bytes = 0
         pool_started = time.perf_counter()
         self.pool = self._agree_pool(self._size_pool())
@@ -230,18 +232,20 @@ class ModelRunner:
             self.max_num_seqs, math.ceil(self.max_model_len / self.block_size), self.device
         )
         self.graphs = self._capture_graphs()
+        self.pieces = self._capture_pieces()
+        self._check_graph_memory()
         self.plan_fence = PlanFence(self.device)  # eager steps' attention plans (graphs keep their own)
         # Start-up time by phase, in seconds (tokenspeed:startup_time_seconds); warmup() adds its own.
         self.startup_phases = {
             "weights": self.load_seconds,
             "kv_pool": kv_pool_seconds,
-            "graphs": self.graphs.capture_seconds if self.graphs is not None else 0.0,
+            "graphs": sum(g.capture_seconds for g in (self.graphs, self.pieces) if g is not None),
         }
         logger.info(
             "start-up: weights %.2f GiB, CUDA graphs %.2f GiB, KV pool %d tokens (%d blocks of %d, %.2f GiB); "
             "max concurrency at max_model_len=%d: %.2fx; attention backend %s",
             self.weights_bytes / GIB,
-            (self.graphs.memory_bytes if self.graphs else 0) / GIB,
+            sum(g.memory_bytes for g in (self.graphs, self.pieces) if g is not None) / GIB,
             self.pool.tokens,
             self.pool.num_blocks,
             self.block_size,
@@ -403,11 +407,49 @@ class ModelRunner:
             self.max_num_seqs,
         )
 
+    def _piece_sizes(self) -> list[int]:
+        """Token buckets of the piecewise graphs for prefill and mixed steps: with the decode graphs, on
+        one GPU (a TP group would capture its collectives in every piece: not built), for a backend
+        that attends apart from its KV write."""
+        if not self.graph_sizes or self.tp.size > 1:
+            return []
+        if not backend_class(self.attention_backend_name).supports_piecewise_graphs:
+            return []
+        limit = getattr(self.settings, "piecewise_cuda_graph_max_tokens", DEFAULT_MAX_TOKENS)
+        return bucket_sizes(min(limit, self._profile_tokens()))
+
     def _profile_graph_bytes(self) -> int:
         """Memory the CUDA graphs will take, measured before the pool is sized (they are captured after
-        it, over the real KV cache): the attention backend's own buffers, one eager decode step of the
-        largest capture size at max_model_len context (the graphs share one pool, largest captured
-        first, so it holds about one such step), the static logits buffer and a per-graph allowance."""
+        it, over the real KV cache): see _profile_decode_graph_bytes and _profile_piece_bytes."""
+        return self._profile_decode_graph_bytes() + self._profile_piece_bytes()
+
+    def _profile_piece_bytes(self) -> int:
+        """The piecewise graphs' pool holds about one eager forward of the largest bucket (buckets never
+        run at once, so they share it); their static buffers come on top."""
+        if not self.piece_sizes:
+            return 0
+        dev, size = self.device, max(self.piece_sizes)
+        query_lens = _split(size, self.max_model_len)
+        num_blocks = math.ceil(max(query_lens) / self.block_size)
+        cache = KVCache(self.model.kv_cache_spec(self.kv_dtype), num_blocks, self.block_size, dev)
+        backend = make_attention_backend(self.attention_backend_name, cache, self.model.attention_spec)
+        table = torch.arange(num_blocks, dtype=torch.int32, device=dev).repeat(len(query_lens), 1)
+        batch = build_attention_batch(table, query_lens, query_lens, self.block_size)
+        input_ids = torch.zeros(size, dtype=torch.int64, device=dev)
+        torch.cuda.synchronize(dev)
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        with torch.no_grad():
+            self.model(input_ids, batch.positions, backend.plan(batch))
+        torch.cuda.synchronize(dev)
+        spec = self.model.attention_spec
+        static = size * (2 * spec.num_heads * spec.head_dim + self.model.dims.hidden) * self.dtype.itemsize
+        return torch.cuda.max_memory_allocated(dev) - base + static + 3 * 8 * size + GRAPH_OVERHEAD_BYTES
+
+    def _profile_decode_graph_bytes(self) -> int:
+        """The attention backend's own buffers, one eager decode step of the largest capture size at
+        max_model_len context (the graphs share one pool, largest captured first, so it holds about one
+        such step), the static logits buffer and a per-graph allowance."""
         if not self.graph_sizes:
             return 0
         dev, size = self.device, max(self.graph_sizes)
@@ -445,17 +487,44 @@ class ModelRunner:
         )
         graphs.capture()
         logger.info(
-            "CUDA graphs: %d decode sizes (%d..%d) captured in %.1f s, using %.2f GiB (reserved %.2f GiB)",
+            "CUDA graphs: %d decode sizes (%d..%d) captured in %.1f s, using %.2f GiB",
             len(graphs.sizes),
             graphs.sizes[0],
             graphs.max_size,
             graphs.capture_seconds,
             graphs.memory_bytes / GIB,
-            self.graph_reserve_bytes / GIB,
         )
-        if graphs.memory_bytes > self.graph_reserve_bytes:
-            logger.warning("CUDA graphs use more memory than was reserved for them before sizing the KV pool")
         return graphs
+
+    def _capture_pieces(self) -> PiecewiseGraphs | None:
+        if not self.piece_sizes:
+            return None
+        pieces = PiecewiseGraphs(
+            self.model,
+            self.attention,
+            self.piece_sizes,
+            self.scratch_block * self.block_size,
+            self.model.dims.hidden,
+            self.device,
+        )
+        pieces.capture()
+        logger.info(
+            "CUDA graphs: prefill and mixed steps in %d token buckets (%d..%d), %d pieces each, captured in "
+            "%.1f s, using %.2f GiB",
+            len(pieces.sizes),
+            pieces.sizes[0],
+            pieces.max_size,
+            len(pieces.pieces[pieces.max_size].graphs),
+            pieces.capture_seconds,
+            pieces.memory_bytes / GIB,
+        )
+        return pieces
+
+    def _check_graph_memory(self) -> None:
+        used = sum(g.memory_bytes for g in (self.graphs, self.pieces) if g is not None)
+        if used > self.graph_reserve_bytes:
+            logger.warning("CUDA graphs use %.2f GiB, more than the %.2f GiB reserved for them before sizing the "
+                           "KV pool", used / GIB, self.graph_reserve_bytes / GIB)
 
     def _profile_params(self) -> SamplingParams:
         """The sampler's most expensive path it accepts (sorting, penalties, top logprobs)."""
@@ -492,7 +561,10 @@ class ModelRunner:
                 "architecture": type(self.model).__name__,
                 "attention_backend": self.attention.name,
                 "cuda_graph_sizes": list(self.graphs.sizes) if self.graphs is not None else [],
-                "cuda_graph_gb": round(self.graphs.memory_bytes / 1e9, 3) if self.graphs is not None else 0.0,
+                "piecewise_graph_sizes": list(self.pieces.sizes) if self.pieces is not None else [],
+                "cuda_graph_gb": round(
+                    sum(g.memory_bytes for g in (self.graphs, self.pieces) if g is not None) / 1e9, 3
+                ),
                 "quantization": self.quant_scheme.describe() if self.quant_scheme is not None else "none",
                 "kv_cache_dtype": self.kv_quant.describe(),
                 "startup_phases": {phase: round(s, 3) for phase, s in self.startup_phases.items()},
@@ -668,7 +740,10 @@ class ModelRunner:
         self.plan_fence.before_plan()
         meta = self.attention.plan(batch)
         self.plan_fence.after_plan()
-        hidden = self.model(input_ids, batch.positions, meta)
+        if self.pieces is not None and self.pieces.size_for(batch.num_tokens) is not None:
+            hidden = self.pieces.run(input_ids, batch, meta)
+        else:
+            hidden = self.model(input_ids, batch.positions, meta)
         if not step.sample_rows:
             return None
         return self.model.compute_logits(hidden.index_select(0, sample_rows))

@@ -20,6 +20,8 @@
 #   latency_pdl              its GPU test, then batch 1 and 4 (and batch 1 with FP8 weights), flashinfer, the
 #                            decode kernels launched with programmatic dependent launch (bench_latency --pdl)
 #                            and without, side by side: ~150 s
+#   pieces                   GPU tests of the piecewise CUDA graphs (prefill and mixed steps), then batch 1 and 4
+#                            (512-token prompts) with and without them: prefill time side by side: ~150 s
 #   latency_fp8              batch-1 flashinfer latency, bf16 weights then FP8 (quantized at load): ~70 s
 #   kv_pool                  start-up only, bf16 KV then FP8 KV: kv_pool_tokens of each: ~50 s, plus
 #                            ~110 s the first time for flashinfer's FP8-KV kernels (JIT; then cached)
@@ -51,7 +53,7 @@ mkdir -p "$OUT" "$RUN"
 export PYTHONUNBUFFERED=1
 MODEL=configs/models/llama-3.1-8b
 STAGES=${*:-roofline latency_triton tests latency_flashinfer latency_b32 offline hf tests_8b}
-KNOWN=" roofline latency_triton tests latency_flashinfer latency_b4 latency_pdl latency_b32 offline offline_no_overlap latency_fp8 kv_pool \
+KNOWN=" roofline latency_triton tests latency_flashinfer latency_b4 latency_pdl pieces latency_b32 offline offline_no_overlap latency_fp8 kv_pool \
 offline_1000 offline_1000_g512 offline_1000_fp8 offline_1000_fp8kv offline_b1 profile_b4 pyspy_b4 pyspy_prefill hf tests_8b idle serving tests_tp latency_tp serving_dp tests_fp8kv tests_decode tests_gemv gemv attn attn_sweep "
 for s in $STAGES; do  # every name checked before anything runs
   [[ $KNOWN == *" $s "* ]] || { echo "unknown stage $s; known:$KNOWN"; exit 2; }
@@ -141,6 +143,15 @@ for s in $STAGES; do
       for b in 1 4; do latency latency_pdl_b$b flashinfer $b --pdl; latency latency_plain_b$b flashinfer $b; done
       latency latency_pdl_fp8_b1 flashinfer 1 --pdl --quantization fp8
       latency latency_plain_fp8_b1 flashinfer 1 --quantization fp8 ;;
+    pieces)
+      wait $WARM
+      stage tests_pieces 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_backends_gpu.py \
+        -k "piecewise or float32_greedy or bfloat16_logits or graph_and_eager"
+      for b in 1 4; do
+        latency latency_pieces_b$b flashinfer $b --prefill-reps 5
+        latency latency_eager_prefill_b$b flashinfer $b --prefill-reps 5 --piecewise-cuda-graph-max-tokens 0
+      done
+      latency latency_pieces_fp8_b1 flashinfer 1 --prefill-reps 5 --quantization fp8 ;;
     latency_b32) wait $WARM; latency latency_flashinfer_b32 flashinfer 32; latency latency_triton_b32 triton 32 ;;
     # One request in process: the overlapped engine loop's batch-1 step, without the appliance's processes.
     offline_b1) wait $WARM; run_offline offline_b1 120 --num-requests 1 --input-len 1024 --output-len 512 --max-num-seqs 8 ;;

@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from app.worker.attention import resolve_attention_backend
-from app.worker.attention.base import AttentionSpec
+from app.worker.attention.base import AttentionSpec, build_attention_batch
 from app.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from app.worker.kv_cache import KVCache, KVCacheSpec
+from app.worker.piecewise_graphs import DEFAULT_MAX_TOKENS as PIECEWISE_DEFAULT
+from app.worker.piecewise_graphs import PiecewiseGraphs, bucket_sizes
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -113,3 +115,40 @@ def test_a_batch_split_attends_like_the_whole() -> None:
     assert (head.query_start_loc, tail.query_start_loc) == ([0, 1, 2], [0, 9, 10])
     assert tail.seq_lens == [20, 7] and torch.equal(tail.slot_mapping, batch.slot_mapping[2:])
     torch.testing.assert_close(outputs[1], outputs[0])
+
+
+def test_piecewise_buckets_cover_every_step_size() -> None:
+    assert bucket_sizes(0) == []
+    assert bucket_sizes(1) == [16]
+    assert bucket_sizes(300) == [16, 32, 64, 96, 128, 192, 256, 320]
+    assert bucket_sizes(8192)[-1] == 8192 and bucket_sizes(2048)[-1] == 2048
+    for limit in (1, 17, 300, 512, 513, 2000):
+        sizes = bucket_sizes(limit)
+        assert sizes == sorted(set(sizes)) and sizes[-1] >= limit
+        bucket = {t: next(b for b in sizes if b >= t) for t in range(1, limit + 1)}
+        assert all(b <= max(16, 2 * t) for t, b in bucket.items())  # small steps read weights: padding is cheap
+        assert all(b <= 1.25 * t for t, b in bucket.items() if t >= 512)
+
+
+def test_piecewise_default_is_the_settings_default() -> None:
+    from app.config.settings import Settings
+
+    assert Settings.model_fields["piecewise_cuda_graph_max_tokens"].default == PIECEWISE_DEFAULT
+
+
+def test_piecewise_stage_pads_onto_the_scratch_slot() -> None:
+    model, backend = _Unused(), _Unused()
+    model.dtype = torch.float32
+    backend.supports_piecewise_graphs = True
+    backend.spec = AttentionSpec(4, 2, 8, 0.5)
+    pieces = PiecewiseGraphs(model, backend, [4, 8], scratch_slot=99, hidden_size=16, device=CPU)
+    table = torch.tensor([[3, 4]], dtype=torch.int32)
+    long = build_attention_batch(table, [7], [7], 4)
+    assert pieces.stage(torch.arange(7), long) == 8
+    assert pieces.slot_mapping.tolist() == [12, 13, 14, 15, 16, 17, 18, 99]
+    short = build_attention_batch(table, [3], [5], 4)  # 2 cached tokens, 3 new
+    assert pieces.stage(torch.tensor([7, 8, 9]), short) == 4
+    assert pieces.slot_mapping[:4].tolist() == [14, 15, 16, 99]  # the long step's row 3 is padding now
+    assert pieces.positions[:3].tolist() == [2, 3, 4] and pieces.input_ids[:3].tolist() == [7, 8, 9]
+    with pytest.raises(ValueError, match="exceeds the largest bucket 8"):
+        pieces.stage(torch.arange(9), build_attention_batch(torch.tensor([[0, 1, 2]], dtype=torch.int32), [9], [9], 4))

@@ -135,6 +135,9 @@ class AttentionBackend(ABC):
     # Whether it reads an FP8 (float8_e4m3fn) KV cache with the cache's per-layer k/v scales; the
     # runner's default backend falls back to torch for one that does not (quantization.fp8_kv_backend).
     supports_fp8_kv: ClassVar[bool] = False
+    # Whether forward is write_new_tokens (triton_backend) then `attend`, so that graph pieces can do the
+    # first and the backend the second (app/worker/piecewise_graphs.py).
+    supports_piecewise_graphs: ClassVar[bool] = False
 
     def __init__(self, kv_cache: KVCache, spec: AttentionSpec) -> None:
         if spec.num_heads % spec.num_kv_heads:
@@ -162,6 +165,10 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """q [T, Hq, D], k and v [T, Hkv, D] for the step's new tokens -> output [T, Hq, D]. rope: the
         step's rotary embedding, applied to q and k first (None: they come rotated, or the model has none)."""
+
+    def attend(self, layer_idx: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The attention alone, q [T, Hq, D] rotated, over a cache that already holds the step's K/V."""
+        raise NotImplementedError(f"the {self.name} attention backend does not attend apart from forward")
 
     def capture_metadata(self, batch: AttentionBatch) -> AttentionMetadata:
         """Metadata for a CUDA-graphed decode batch (one new token per sequence) whose device tensors

@@ -135,6 +135,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     name = "flashinfer"
     supports_cuda_graphs = True
     supports_fp8_kv = True  # reads an FP8 cache with its per-layer scales (see the module docstring)
+    supports_piecewise_graphs = True
 
     def __init__(self, kv_cache: KVCache, spec: AttentionSpec, decode_kernel: str | None = None) -> None:
         super().__init__(kv_cache, spec)
@@ -270,16 +271,16 @@ class FlashInferAttentionBackend(AttentionBackend):
         rope: Rope | None = None,
     ) -> torch.Tensor:
         q = write_new_tokens(self.kv_cache, layer_idx, q, k, v, meta.batch.slot_mapping, rope)
-        return self._attend(layer_idx, q, meta)
+        return self.attend(layer_idx, q, meta)
 
-    def _attend(self, layer_idx: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def attend(self, layer_idx: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if isinstance(meta, TritonAttentionMetadata):
             assert self.triton is not None
             return self.triton.attend(layer_idx, q, meta)
         if isinstance(meta, MixedMetadata):
             n = meta.decode_tokens
-            return torch.cat([self._attend(layer_idx, q[:n], meta.decode),
-                              self._attend(layer_idx, q[n:], meta.prefill)])  # fmt: skip
+            return torch.cat([self.attend(layer_idx, q[:n], meta.decode),
+                              self.attend(layer_idx, q[n:], meta.prefill)])  # fmt: skip
         assert isinstance(meta, FlashInferMetadata)
         k_cache, v_cache = self.kv_cache.k[layer_idx], self.kv_cache.v[layer_idx]
         k_scale, v_scale = self.kv_cache.k_scales[layer_idx], self.kv_cache.v_scales[layer_idx]

@@ -49,6 +49,7 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
     supports_fp8_kv = True  # reads an FP8 cache with its per-layer scales
+    supports_piecewise_graphs = True
 
     def __init__(self, kv_cache: KVCache, spec: AttentionSpec) -> None:
         super().__init__(kv_cache, spec)

@@ -33,8 +33,11 @@ done
 ready=$(python3 -c "import time; print(round(time.time() - $t0, 1))")
 echo "start-to-ready ${ready} s"
 echo "{\"start_to_ready_s\": $ready}" > "$RUN/$NAME-ready.json"
+SEED=0
 bench() {  # bench JSON CONCURRENCY RANGE_RATIO NUM_PROMPTS OUTPUT_LEN
-  python3 scripts/bench_serving.py --base-url "http://127.0.0.1:$PORT" --num-prompts "$4" \
+  # Each benchmark its own prompts (seed): one that repeated an earlier one's would hit the prefix cache.
+  SEED=$((SEED + 1))
+  python3 scripts/bench_serving.py --base-url "http://127.0.0.1:$PORT" --num-prompts "$4" --seed $SEED \
     --input-len "${INPUT_LEN:-1024}" --output-len "$5" --max-concurrency "$2" \
     --random-range-ratio "$3" --vocab-size 128000 --min-token-id 10 \
     --json "$1" | tail -50  # the whole summary (about 46 lines)

@@ -65,6 +65,38 @@ class GemvConfig:
 
 
 @triton.jit
+def _load_k_tile(rows, kk, k_end, row_ok, EVEN_K: tl.constexpr):
+    """rows[:, kk] of the rows that exist (zeros elsewhere): a weight or an activation tile."""
+    if EVEN_K:  # no K mask: keeps the loads vectorised
+        tile = tl.load(rows + kk[None, :], mask=row_ok[:, None], other=0.0)
+    else:
+        tile = tl.load(rows + kk[None, :], mask=row_ok[:, None] & (kk < k_end)[None, :], other=0.0)
+    return tile
+
+
+@triton.jit
+def _accumulate(acc, w, x, USE_DOT: tl.constexpr, W_AS_A: tl.constexpr, FP16_OPERANDS: tl.constexpr,
+                X_PRESCALE: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """acc += the tile's products: [BLOCK_M, BLOCK_N] (DOT; transposed with W_AS_A) or, FMA, the
+    elementwise products [BLOCK_M, BLOCK_N, BLOCK_K] summed over K once at the end."""
+    if USE_DOT:
+        if FP16_OPERANDS:
+            if X_PRESCALE:  # bfloat16 x into float16's range; exact (a power of two)
+                x = x.to(tl.float32) * 0.00390625
+            x = x.to(tl.float16)
+            w = w.to(tl.float16)
+        else:
+            w = w.to(x.dtype)
+        if W_AS_A:
+            acc += tl.dot(w, tl.trans(x), input_precision=PRECISION)
+        else:
+            acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+    else:
+        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    return acc
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, scale_ptr, out_ptr,
     M, N, K, K_PER_SPLIT,
@@ -74,7 +106,6 @@ def _gemv_kernel(
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    wait_for_predecessor(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -86,38 +117,25 @@ def _gemv_kernel(
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
     x_rows = x_ptr + rm[:, None] * stride_xm
+    # The weights do not depend on the kernel before this one: under PDL the first tile streams in
+    # while that kernel finishes. x does, so it waits.
+    w = _load_k_tile(w_rows, k_start + rk, k_end, n_ok, EVEN_K)
+    wait_for_predecessor(USE_PDL)
     if USE_DOT:
         if W_AS_A:
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
-        acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        kk = k0 + rk
-        if EVEN_K:  # no K mask: keeps the loads vectorised
-            w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None], other=0.0)
-            x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None], other=0.0)
-        else:
-            k_ok = kk < k_end
-            w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if USE_DOT:
-            if FP16_OPERANDS:
-                if X_PRESCALE:  # bfloat16 x into float16's range; exact (a power of two)
-                    x = x.to(tl.float32) * 0.00390625
-                x = x.to(tl.float16)
-                w = w.to(tl.float16)
-            else:
-                w = w.to(x.dtype)
-            if W_AS_A:
-                acc += tl.dot(w, tl.trans(x), input_precision=PRECISION)
-            else:
-                acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
-        else:
-            acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    x = _load_k_tile(x_rows, k_start + rk, k_end, m_ok, EVEN_K)
+    acc = _accumulate(acc, w, x, USE_DOT, W_AS_A, FP16_OPERANDS, X_PRESCALE, PRECISION)
+    for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
+        w = _load_k_tile(w_rows, k0 + rk, k_end, n_ok, EVEN_K)
+        x = _load_k_tile(x_rows, k0 + rk, k_end, m_ok, EVEN_K)
+        acc = _accumulate(acc, w, x, USE_DOT, W_AS_A, FP16_OPERANDS, X_PRESCALE, PRECISION)
     if not USE_DOT:
-        acc = tl.sum(acc3, axis=2)
+        acc = tl.sum(acc, axis=2)
     elif W_AS_A:
         acc = tl.trans(acc)
     if OUT_FACTOR != 1.0:

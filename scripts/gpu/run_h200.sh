@@ -10,6 +10,7 @@
 # latency_flashinfer latency_b32 offline hf tests_8b. Named only (each with its own time needs):
 #   idle serving             GPU idle between steps; the whole appliance over HTTP (PYSPY_BENCH=b1: py-spy on it;
 #                            summarize.py splits each TTFT into the scheduler's part and the rest)
+#   serving_eager_prefill    the serving stage with prefill and mixed steps eager (--piecewise-cuda-graph-max-tokens 0)
 #   offline_b1               one request of 1024 in / 512 out in process (the overlapped loop at batch 1): ~40 s
 #   pyspy_b4                 the profile_b4 run (1024 out) under py-spy (idle frames included): where the host's
 #                            time goes in the overlapped loop (pyspy_b4-offline.pyspy.txt, collapsed stacks): ~50 s
@@ -54,7 +55,7 @@ export PYTHONUNBUFFERED=1
 MODEL=configs/models/llama-3.1-8b
 STAGES=${*:-roofline latency_triton tests latency_flashinfer latency_b32 offline hf tests_8b}
 KNOWN=" roofline latency_triton tests latency_flashinfer latency_b4 latency_pdl pieces latency_b32 offline offline_no_overlap latency_fp8 kv_pool \
-offline_1000 offline_1000_g512 offline_1000_fp8 offline_1000_fp8kv offline_b1 profile_b4 pyspy_b4 pyspy_prefill hf tests_8b idle serving tests_tp latency_tp serving_dp tests_fp8kv tests_decode tests_gemv gemv attn attn_sweep "
+offline_1000 offline_1000_g512 offline_1000_fp8 offline_1000_fp8kv offline_b1 profile_b4 pyspy_b4 pyspy_prefill hf tests_8b idle serving serving_eager_prefill tests_tp latency_tp serving_dp tests_fp8kv tests_decode tests_gemv gemv attn attn_sweep "
 for s in $STAGES; do  # every name checked before anything runs
   [[ $KNOWN == *" $s "* ]] || { echo "unknown stage $s; known:$KNOWN"; exit 2; }
 done
@@ -187,6 +188,8 @@ for s in $STAGES; do
     # 4 streams of 1024-token prompts (the issue's TTFT/TPOT case) with fixed lengths (the 4 arrive
     # together) and with lengths drawn within +-50% (arrivals spread, as in real traffic); one stream.
     serving) MORE="stagger:4:0.5:32:128 b1:1:0:3:256" PYSPY_BENCH=${PYSPY_BENCH:-} stage serving 260 bash scripts/gpu/serve_and_bench.sh "$RUN" serving ;;
+    serving_eager_prefill) MORE="stagger:4:0.5:32:128 b1:1:0:3:256" SERVE_FLAGS="--piecewise-cuda-graph-max-tokens 0" \
+      stage serving_eager_prefill 260 bash scripts/gpu/serve_and_bench.sh "$RUN" serving_eager_prefill ;;
     # Two GPUs (nvidia-h200-x2): TP=2 parity tests, batch-1 decode TP=1 vs TP=2, and the appliance's
     # throughput with one replica vs two (--data-parallel-size 2) at twice the concurrency.
     attn) wait $WARM; stage attn 200 python3 scripts/gpu/bench_decode_attention.py --json "$RUN/attn.json" ;;

@@ -196,11 +196,11 @@ def scheduler_lines(run: Path, results: dict[str, dict]) -> list[str]:
     for name, r in results.items():
         if not isinstance(r, dict) or "started_at" not in r or "ttft_ms" not in r:
             continue
-        servers = [server for server in stats if name.startswith(server)]
+        servers = [server for server in stats if name.startswith(server)]  # serving, serving_eager_prefill, ..
         if not servers:
             continue
         window = (r["started_at"], r["started_at"] + r["duration_s"])
-        rows = [s for s in stats[servers[0]]
+        rows = [s for s in stats[max(servers, key=len)]
                 if s.get("recv_ts") is not None and window[0] - 0.5 <= s["recv_ts"] <= window[1]]  # fmt: skip
 
         def p50(key: str, rows: list = rows) -> float | None:

@@ -117,10 +117,6 @@ def _gemv_kernel(
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
     x_rows = x_ptr + rm[:, None] * stride_xm
-    # The weights do not depend on the kernel before this one: under PDL the first tile streams in
-    # while that kernel finishes. x does, so it waits.
-    w = _load_k_tile(w_rows, k_start + rk, k_end, n_ok, EVEN_K)
-    wait_for_predecessor(USE_PDL)
     if USE_DOT:
         if W_AS_A:
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -128,9 +124,16 @@ def _gemv_kernel(
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    x = _load_k_tile(x_rows, k_start + rk, k_end, m_ok, EVEN_K)
-    acc = _accumulate(acc, w, x, USE_DOT, W_AS_A, FP16_OPERANDS, X_PRESCALE, PRECISION)
-    for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
+    k_loop = k_start
+    if USE_PDL:
+        # The weights do not depend on the kernel before this one: their first tile streams in while
+        # that kernel finishes. x does, so it waits. (Without PDL the loop's own pipelining is faster.)
+        w = _load_k_tile(w_rows, k_start + rk, k_end, n_ok, EVEN_K)
+        wait_for_predecessor(USE_PDL)
+        x = _load_k_tile(x_rows, k_start + rk, k_end, m_ok, EVEN_K)
+        acc = _accumulate(acc, w, x, USE_DOT, W_AS_A, FP16_OPERANDS, X_PRESCALE, PRECISION)
+        k_loop += BLOCK_K
+    for k0 in range(k_loop, k_end, BLOCK_K):
         w = _load_k_tile(w_rows, k0 + rk, k_end, n_ok, EVEN_K)
         x = _load_k_tile(x_rows, k0 + rk, k_end, m_ok, EVEN_K)
         acc = _accumulate(acc, w, x, USE_DOT, W_AS_A, FP16_OPERANDS, X_PRESCALE, PRECISION)

@@ -55,6 +55,7 @@ def runner_settings(args: argparse.Namespace, **overrides: Any) -> Any:
         "kv_cache_dtype": args.kv_cache_dtype,
         "max_total_tokens": args.max_total_tokens,
         "piecewise_cuda_graph_max_tokens": args.piecewise_cuda_graph_max_tokens,
+        "enable_pdl": not args.no_pdl,
     }
     if args.attention_backend:
         fields["attention_backend"] = args.attention_backend
@@ -82,6 +83,7 @@ def runner_figures(runner: Any, args: argparse.Namespace) -> dict[str, Any]:
         "max_total_tokens": args.max_total_tokens,
         "cuda_graph_sizes": info["cuda_graph_sizes"],
         "piecewise_graph_sizes": info["piecewise_graph_sizes"],
+        "pdl": info["pdl"],
         "startup_phases_s": info["startup_phases"],
     }
 
@@ -117,20 +119,13 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", default=None, help="write the results here")
-    parser.add_argument("--pdl", action="store_true",
-                        help="launch the decode kernels with programmatic dependent launch (see make_runner)")  # fmt: skip
+    parser.add_argument("--no-pdl", action="store_true",
+                        help="launch the decode kernels plainly (default: programmatic dependent launch where the GPU has it)")  # fmt: skip
 
 
-def make_runner(settings: Any, device: torch.device, tensor_parallel_size: int = 1, pdl: bool = False) -> Any:
+def make_runner(settings: Any, device: torch.device, tensor_parallel_size: int = 1) -> Any:
     """A warmed-up ModelRunner, or with TP > 1 rank 0's (the other ranks in spawned processes, on the next
-    GPUs; app/worker/tp_group.py). Its weights_bytes are one rank's share. pdl: launch the decode kernels
-    with programmatic dependent launch (tokenspeed_kernels.common.set_pdl; one GPU, Hopper or newer)."""
-    if pdl:
-        if tensor_parallel_size > 1 or device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
-            raise SystemExit("--pdl runs on one GPU of compute capability 9.0 or newer (Hopper)")
-        from tokenspeed_kernels.common import set_pdl
-
-        set_pdl(True)
+    GPUs; app/worker/tp_group.py). Its weights_bytes are one rank's share."""
     if tensor_parallel_size > 1:
         from app.worker.tp_group import start_tp_group
 
@@ -249,7 +244,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         max_model_len=args.max_model_len or need,
         chunked_prefill_size=max(args.chunked_prefill_size, args.input_len),
     )
-    runner = make_runner(settings, device, args.tensor_parallel_size, args.pdl)
+    runner = make_runner(settings, device, args.tensor_parallel_size)
     device = runner.device  # with its index
     ready_s = time.perf_counter() - started
     blocks = math.ceil(need / runner.block_size)

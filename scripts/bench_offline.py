@@ -257,7 +257,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         chunked_prefill_size=args.chunked_prefill_size,
         max_queued_requests=max(args.num_requests, 1),  # all are queued at once: none may be refused
     )
-    runner = make_runner(settings, device, args.tensor_parallel_size, args.pdl)
+    runner = make_runner(settings, device, args.tensor_parallel_size)
     device = runner.device  # with its index
     ready = runner.ready_message()
     ready_s = time.perf_counter() - started

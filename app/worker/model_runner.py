@@ -161,6 +161,7 @@ class ModelRunner:
             if self.device.index is None:  # "cuda": the current device, named (set_device needs an index)
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
+        self.pdl = self._configure_pdl()
         model_dir = resolve_model_path(
             settings.model,
             settings.load_format,
@@ -256,6 +257,22 @@ class ModelRunner:
         )
 
     # ------------------------------------------------------------------ start-up
+
+    def _configure_pdl(self) -> bool:
+        """Programmatic dependent launch for the decode-path Triton kernels (--enable-pdl): on one GPU of
+        compute capability 9.0 or newer with a Triton that has it (3.4+); a process-wide switch, set
+        before any kernel is compiled or captured. Measured on the H200: batch 1 -5%, FP8 -9% a step."""
+        if self.device.type != "cuda":
+            return False
+        from tokenspeed_kernels.common import PDL_AVAILABLE, set_pdl
+
+        wanted = getattr(self.settings, "enable_pdl", True)
+        usable = PDL_AVAILABLE and self.tp.size == 1 and torch.cuda.get_device_capability(self.device) >= (9, 0)
+        set_pdl(wanted and usable)
+        if wanted and not usable:
+            logger.info("programmatic dependent launch off: it needs one GPU of compute capability 9.0+ and "
+                        "Triton 3.4+")
+        return wanted and usable
 
     def _flashinfer_or_triton(self) -> str:
         """The default flashinfer backend only if its kernels load here (a cached JIT build, or nvcc to
@@ -562,6 +579,7 @@ class ModelRunner:
                 "attention_backend": self.attention.name,
                 "cuda_graph_sizes": list(self.graphs.sizes) if self.graphs is not None else [],
                 "piecewise_graph_sizes": list(self.pieces.sizes) if self.pieces is not None else [],
+                "pdl": self.pdl,
                 "cuda_graph_gb": round(
                     sum(g.memory_bytes for g in (self.graphs, self.pieces) if g is not None) / 1e9, 3
                 ),

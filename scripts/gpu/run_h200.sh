@@ -18,9 +18,9 @@
 #                            where the host's time goes in an eager prefill: ~50 s
 #   profile_b4               4 requests of 1024 in / 256 out in process, torch.profiler over 20 decode steps: each
 #                            kernel's GPU time and calls, and the GPU's busy share (4-stream TPOT): ~50 s
-#   latency_pdl              its GPU test, then batch 1 and 4 (and batch 1 with FP8 weights), flashinfer, the
-#                            decode kernels launched with programmatic dependent launch (bench_latency --pdl)
-#                            and without, side by side: ~150 s
+#   latency_pdl              its GPU tests, then batch 1 and 4 (and batch 1 with FP8 weights), flashinfer, the
+#                            decode kernels launched with programmatic dependent launch (the default) and
+#                            without (bench_latency --no-pdl), side by side: ~150 s
 #   pieces                   GPU tests of the piecewise CUDA graphs (prefill and mixed steps), then batch 1 and 4
 #                            (512-token prompts) with and without them: prefill time side by side: ~150 s
 #   latency_fp8              batch-1 flashinfer latency, bf16 weights then FP8 (quantized at load): ~70 s
@@ -140,10 +140,11 @@ for s in $STAGES; do
     latency_b4) wait $WARM; latency latency_flashinfer_b4 flashinfer 4 ;;
     latency_pdl)
       wait $WARM
-      stage tests_pdl 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_pipeline_gpu.py -k programmatic
-      for b in 1 4; do latency latency_pdl_b$b flashinfer $b --pdl; latency latency_plain_b$b flashinfer $b; done
-      latency latency_pdl_fp8_b1 flashinfer 1 --pdl --quantization fp8
-      latency latency_plain_fp8_b1 flashinfer 1 --quantization fp8 ;;
+      stage tests_pdl 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_pipeline_gpu.py \
+        tests/gpu/test_gemv_gpu.py -k "programmatic or pdl"
+      for b in 1 4; do latency latency_pdl_b$b flashinfer $b; latency latency_plain_b$b flashinfer $b --no-pdl; done
+      latency latency_pdl_fp8_b1 flashinfer 1 --quantization fp8
+      latency latency_plain_fp8_b1 flashinfer 1 --quantization fp8 --no-pdl ;;
     pieces)
       wait $WARM
       stage tests_pieces 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_backends_gpu.py \

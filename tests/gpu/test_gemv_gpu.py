@@ -64,6 +64,42 @@ def test_linear_gives_torch_linear_numbers(m: int) -> None:
     assert got.shape == want.shape and relative_error(got, want) < 1e-2
 
 
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability(CUDA) < (9, 0),
+                    reason="programmatic dependent launch needs compute capability 9.0")
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gemv_after_a_norm_under_pdl_in_a_graph_gives_the_plain_numbers(fp8: bool) -> None:
+    """The GEMV loads its first weight tile before waiting for the kernel before it (the norm that writes
+    its x): replayed in a graph, PDL on must give the plain launches' bits."""
+    from tokenspeed_kernels.common import set_pdl
+    from tokenspeed_kernels.rmsnorm import rms_norm
+
+    gen = torch.Generator(device=CUDA).manual_seed(7)
+    norm_weight = torch.rand(4096, generator=gen, device=CUDA).to(torch.bfloat16)
+    w = torch.randn(6144, 4096, generator=gen, device=CUDA) * 0.02
+    w, scale = quantize_rows(w) if fp8 else (w.to(torch.bfloat16), None)
+    scale = None if scale is None else scale.view(-1)
+    hidden = torch.zeros(1, 4096, device=CUDA, dtype=torch.bfloat16)
+    outputs = []
+    for pdl in (False, True):
+        set_pdl(pdl)
+        try:
+            chain = lambda: [gemv(rms_norm(hidden, norm_weight, 1e-5), w, scale) for _ in range(8)]  # noqa: E731
+            chain()  # compile outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                ys = chain()
+        finally:
+            set_pdl(False)
+        results = []
+        for step in range(5):
+            hidden.copy_(torch.randn(1, 4096, generator=gen.manual_seed(step), device=CUDA))
+            graph.replay()
+            results.append(torch.stack(ys).clone())
+        outputs.append(torch.stack(results))
+    assert torch.equal(outputs[0], outputs[1])
+    assert outputs[0].abs().sum() > 0
+
+
 def test_measured_fp8_configs_serve_float32_activations() -> None:
     """The table's float16 routes would round float32 x: such calls take the native cast instead."""
     gen = torch.Generator(device=CUDA).manual_seed(0)

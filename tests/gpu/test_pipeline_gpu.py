@@ -29,13 +29,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model("llama", tmp_path_factory.mktemp("llama"), seed=5)
 
 
-def cuda_runner(model_dir: Path) -> ModelRunner:
+def cuda_runner(model_dir: Path, **overrides: Any) -> ModelRunner:
     """The unit tests' runner shape (4 slots, blocks of 4), on CUDA with the triton backend and graphs."""
-    runner = ModelRunner(
-        settings(model_dir, dtype="float32", block_size=4, max_num_seqs=4, chunked_prefill_size=16,
-                 max_total_tokens=4096, attention_backend="triton"),
-        CUDA,
-    )  # fmt: skip
+    fields = {"dtype": "float32", "block_size": 4, "max_num_seqs": 4, "chunked_prefill_size": 16,
+              "max_total_tokens": 4096, "attention_backend": "triton", **overrides}  # fmt: skip
+    runner = ModelRunner(settings(model_dir, **fields), CUDA)
     assert runner.graphs is not None
     return runner
 
@@ -66,21 +64,19 @@ def test_pipelined_steps_match_plain_execute_with_cuda_graphs(model_dir: Path) -
         assert not any(runner.slots.active)
 
 
-def test_programmatic_dependent_launch_gives_the_same_tokens(model_dir: Path) -> None:
-    """Kernels launched with PDL (tokenspeed_kernels.common.set_pdl), graphs captured with it, pipelined:
-    the tokens of the plain launches. Each kernel waits for its predecessor before any memory access, so
-    a wrong placement shows as a race here."""
-    from tokenspeed_kernels.common import set_pdl
-
-    runner = cuda_runner(model_dir)
+@pytest.mark.parametrize("precision", [{"dtype": "float32"}, {"dtype": "bfloat16", "quantization": "fp8"}])
+def test_programmatic_dependent_launch_gives_the_same_tokens(model_dir: Path, precision: dict[str, str]) -> None:
+    """Kernels launched with PDL (--enable-pdl, the default on Hopper), graphs captured with it, pipelined:
+    the tokens of the plain launches. Each kernel waits for its predecessor before touching what that one
+    writes, so a wrong placement shows as a race here. FP8 weights run every decode linear through the
+    GEMV, whose first weight tile loads before the wait."""
+    runner = cuda_runner(model_dir, enable_pdl=False, **precision)
+    assert not runner.pdl
     reference = run_plain(runner, plans_for(runner))
-    set_pdl(True)
-    try:
-        for _ in range(2):
-            runner = cuda_runner(model_dir)  # fresh sampler generators, as the reference had
-            assert run_pipelined(runner, plans_for(runner), 2) == reference
-    finally:
-        set_pdl(False)
+    for _ in range(2):
+        runner = cuda_runner(model_dir, enable_pdl=True, **precision)  # fresh sampler generators
+        assert runner.pdl == (torch.cuda.get_device_capability(CUDA) >= (9, 0))
+        assert run_pipelined(runner, plans_for(runner), 2) == reference
 
 
 COMMON = [

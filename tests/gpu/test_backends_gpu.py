@@ -8,11 +8,13 @@
   their token bucket) give the eager steps' logits within PIECES_REL_TOL;
 - kernels on CUDA against their torch references (the interpreter tests' twins);
 - Llama-3.1-8B shape, bf16 dummy weights shared with transformers: logits of a batch of prompts
-  (prefill, then graphed decodes) within LOGITS_REL_TOL of transformers' (relative L2 per row).
+  (prefill, then graphed decodes) within twice transformers' own bf16 error (against its float32
+  copy), or LOGITS_REL_TOL if larger (relative L2 per row).
 """
 
 from __future__ import annotations
 
+import copy
 import gc
 import json
 from collections.abc import Iterator
@@ -286,7 +288,9 @@ def test_flashinfer_decode_kernels_match_the_torch_backend(decode_kernel: str, k
 
 
 @pytest.fixture(scope="module")
-def llama_8b(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+def llama_8b(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, float]:
+    """The 8B shape in transformers (bf16, random weights) and its own bf16 error: the worst relative L2
+    distance of its logits from a float32 copy's over the test's prompts."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_dir = tmp_path_factory.mktemp("llama8b")
@@ -294,20 +298,35 @@ def llama_8b(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("cuda"):
         hf = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
-    return model_dir, hf
+    exact = copy.deepcopy(hf).float()
+    floor = 0.0
+    with torch.no_grad():
+        for prompt in prompts_for(LLAMA_31_8B["vocab_size"], PROMPTS_8B, seed=8):
+            ids = torch.tensor([prompt], device="cuda")
+            ours, ref = hf(ids).logits[0].float(), exact(ids).logits[0]
+            floor = max(floor, ((ours - ref).norm(dim=1) / ref.norm(dim=1)).max().item())
+    del exact
+    torch.cuda.empty_cache()
+    return model_dir, hf, floor
+
+
+PROMPTS_8B = [100, 37, 260, 5]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_llama_8b_logits_close_to_transformers(backend: str, llama_8b: tuple[Path, Any]) -> None:
+def test_llama_8b_logits_close_to_transformers(backend: str, llama_8b: tuple[Path, Any, float]) -> None:
+    """Two bf16 implementations of 32 layers differ by about sqrt(2) times each one's distance from
+    float32 (transformers' own, `floor`): the bound is twice that, or LOGITS_REL_TOL if larger."""
     from app.worker.loader.weights import load_tensors
 
-    model_dir, hf = llama_8b
+    model_dir, hf, floor = llama_8b
     runner = ModelRunner(
         settings(model_dir, load_format="dummy", attention_backend=backend, max_model_len=2048,
                  gpu_memory_utilization=0.5, max_num_seqs=4, chunked_prefill_size=2048),
         CUDA,
     )  # fmt: skip
     load_tensors(runner.model, iter(hf.state_dict().items()))
-    errors = logits_errors(runner, hf, prompts_for(runner.vocab_size, [100, 37, 260, 5], seed=8), 6)
-    print(f"8B bf16 {backend}: logits relative L2 error, worst position per prompt: {errors}")
-    assert max(errors) < LOGITS_REL_TOL
+    errors = logits_errors(runner, hf, prompts_for(runner.vocab_size, PROMPTS_8B, seed=8), 6)
+    print(f"8B bf16 {backend}: logits relative L2 error, worst position per prompt: {errors}; transformers' "
+          f"own bf16 error against float32: {floor:.4f}")
+    assert max(errors) < max(LOGITS_REL_TOL, 2 * floor)

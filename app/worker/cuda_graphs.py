@@ -79,6 +79,26 @@ class PlanFence:
             self._planned.record()
 
 
+class CapturedSizes:
+    """What every set of captured graphs shares: its sizes (batch rows or tokens), ascending; a step runs
+    in the smallest that holds it. Memory and capture time are filled in by capture()."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        if not sizes:
+            raise ValueError(f"{type(self).__name__} needs at least one size to capture")
+        self.sizes = sorted(sizes)
+        self.memory_bytes = 0
+        self.capture_seconds = 0.0
+
+    @property
+    def max_size(self) -> int:
+        return self.sizes[-1]
+
+    def size_for(self, n: int) -> int | None:
+        """The captured size that a step of n rows runs in (None: larger than any)."""
+        return next((size for size in self.sizes if size >= n), None)
+
+
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
@@ -86,7 +106,7 @@ class _Captured:
     batch: AttentionBatch
 
 
-class DecodeGraphs:
+class DecodeGraphs(CapturedSizes):
     """Captured decode graphs over persistent input buffers (see the module docstring)."""
 
     def __init__(
@@ -100,11 +120,9 @@ class DecodeGraphs:
         vocab_size: int,
         device: torch.device,
     ) -> None:
-        if not sizes:
-            raise ValueError("DecodeGraphs needs at least one capture size")
+        super().__init__(sizes)
         self.model = model
         self.backend = backend
-        self.sizes = sorted(sizes)
         self.block_size = block_size
         self.scratch_block = scratch_block
         self.device = device
@@ -119,19 +137,6 @@ class DecodeGraphs:
         self.logits = torch.zeros(largest, vocab_size, dtype=torch.float32, device=device)
         self.graphs: dict[int, _Captured] = {}
         self.fence = PlanFence(device)
-        self.memory_bytes = 0
-        self.capture_seconds = 0.0
-
-    @property
-    def max_size(self) -> int:
-        return self.sizes[-1]
-
-    def size_for(self, batch_size: int) -> int | None:
-        """The captured size a batch of batch_size decodes runs in (None: larger than any)."""
-        for size in self.sizes:
-            if size >= batch_size:
-                return size
-        return None
 
     def _batch(self, size: int, seq_lens: list[int]) -> AttentionBatch:
         return AttentionBatch(

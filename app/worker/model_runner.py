@@ -36,7 +36,7 @@ from app.worker.attention import (
     make_attention_backend,
     resolve_attention_backend,
 )
-from app.worker.cuda_graphs import DecodeGraphs, PlanFence, capture_sizes
+from app.worker.cuda_graphs import CapturedSizes, DecodeGraphs, PlanFence, capture_sizes
 from app.worker.kv_cache import (
     GIB,
     KVCache,
@@ -240,13 +240,13 @@ class ModelRunner:
         self.startup_phases = {
             "weights": self.load_seconds,
             "kv_pool": kv_pool_seconds,
-            "graphs": sum(g.capture_seconds for g in (self.graphs, self.pieces) if g is not None),
+            "graphs": sum(g.capture_seconds for g in self._captured()),
         }
         logger.info(
             "start-up: weights %.2f GiB, CUDA graphs %.2f GiB, KV pool %d tokens (%d blocks of %d, %.2f GiB); "
             "max concurrency at max_model_len=%d: %.2fx; attention backend %s",
             self.weights_bytes / GIB,
-            sum(g.memory_bytes for g in (self.graphs, self.pieces) if g is not None) / GIB,
+            self._graph_bytes() / GIB,
             self.pool.tokens,
             self.pool.num_blocks,
             self.block_size,
@@ -537,8 +537,14 @@ class ModelRunner:
         )
         return pieces
 
+    def _captured(self) -> list[CapturedSizes]:
+        return [g for g in (self.graphs, self.pieces) if g is not None]
+
+    def _graph_bytes(self) -> int:
+        return sum(g.memory_bytes for g in self._captured())
+
     def _check_graph_memory(self) -> None:
-        used = sum(g.memory_bytes for g in (self.graphs, self.pieces) if g is not None)
+        used = self._graph_bytes()
         if used > self.graph_reserve_bytes:
             logger.warning("CUDA graphs use %.2f GiB, more than the %.2f GiB reserved for them before sizing the "
                            "KV pool", used / GIB, self.graph_reserve_bytes / GIB)
@@ -580,9 +586,7 @@ class ModelRunner:
                 "cuda_graph_sizes": list(self.graphs.sizes) if self.graphs is not None else [],
                 "piecewise_graph_sizes": list(self.pieces.sizes) if self.pieces is not None else [],
                 "pdl": self.pdl,
-                "cuda_graph_gb": round(
-                    sum(g.memory_bytes for g in (self.graphs, self.pieces) if g is not None) / 1e9, 3
-                ),
+                "cuda_graph_gb": round(self._graph_bytes() / 1e9, 3),
                 "quantization": self.quant_scheme.describe() if self.quant_scheme is not None else "none",
                 "kv_cache_dtype": self.kv_quant.describe(),
                 "startup_phases": {phase: round(s, 3) for phase, s in self.startup_phases.items()},

@@ -29,6 +29,7 @@ import torch
 
 from app.worker.attention import AttentionBackend, AttentionBatch, AttentionMetadata
 from app.worker.attention.triton_backend import write_new_tokens
+from app.worker.cuda_graphs import CapturedSizes
 from app.worker.layers.rotary import Rope
 
 # Below a few hundred tokens a step is bound by reading the weights, so padding it costs little; from
@@ -95,7 +96,7 @@ class _Cutter:
         return owner.attn_out[:size]
 
 
-class PiecewiseGraphs:
+class PiecewiseGraphs(CapturedSizes):
     """Captured pieces of the forward per token bucket (see the module docstring)."""
 
     def __init__(
@@ -107,16 +108,14 @@ class PiecewiseGraphs:
         hidden_size: int,
         device: torch.device,
     ) -> None:
-        if not sizes:
-            raise ValueError("PiecewiseGraphs needs at least one bucket")
+        super().__init__(sizes)
         if not backend.supports_piecewise_graphs:
             raise ValueError(f"the {backend.name} attention backend cannot run between graph pieces")
         self.model = model
         self.backend = backend
-        self.sizes = sorted(sizes)
         self.scratch_slot = scratch_slot
         self.device = device
-        largest = self.sizes[-1]
+        largest = self.max_size
         spec = backend.spec
         dtype = model.dtype
         self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
@@ -126,16 +125,6 @@ class PiecewiseGraphs:
         self.attn_out = torch.zeros(largest, spec.num_heads, spec.head_dim, dtype=dtype, device=device)
         self.hidden = torch.zeros(largest, hidden_size, dtype=dtype, device=device)
         self.pieces: dict[int, _Pieces] = {}
-        self.memory_bytes = 0
-        self.capture_seconds = 0.0
-
-    @property
-    def max_size(self) -> int:
-        return self.sizes[-1]
-
-    def size_for(self, num_tokens: int) -> int | None:
-        """The bucket a step of num_tokens runs in (None: larger than any)."""
-        return next((size for size in self.sizes if size >= num_tokens), None)
 
     def _forward(self, size: int, pool: tuple | None) -> _Pieces:
         cutter = _Cutter(self, size, pool)

@@ -7,10 +7,9 @@ A step runs in two halves so that the worker can queue step N+1 before it reads 
 (app/worker/process.py): launch() queues all of the step's device work, the sampled tokens' update
 of the slots' last_token included, and starts a non-blocking copy of the results to the host;
 finish() waits for that copy and builds the StepResult. launch() uploads through page-locked
-memory and does not wait for the device, with two exceptions: a sampled row with top_p but no top_k
-(sampling/truncation.py), and eager (prefill or mixed) steps, whose attention batch and plan are
-still built with blocking uploads (attention/base.py build_attention_batch, the backends' plan());
-CUDA-graph decode steps have none. Device tensors are written in stream order, so a later launch
+memory and does not wait for the device, with one known exception: a sampled row with top_p but no
+top_k (sampling/truncation.py). tests/gpu/test_pipeline_gpu.py checks decode steps, and prefill and
+mixed steps on the triton backend (flashinfer's own plan() is not checked there). Device tensors are written in stream order, so a later launch
 may rewrite a slot's rows (released and re-registered) while an earlier step still runs; what
 finish() needs from the host side is captured in the PendingStep.
 

@@ -1,6 +1,6 @@
 """Pipelined worker steps on CUDA with graphs (skipped without CUDA): the same results as plain execute,
 no host sync when a decode step is launched on the common sampling paths (min_tokens, logit bias and
-penalties included), and the idle gap between
+penalties included) nor when a prefill or mixed step is, and the idle gap between
 decode steps reported (scripts/gpu/gpu_idle.py measures it at Llama-3.1-8B scale)."""
 
 from __future__ import annotations
@@ -105,6 +105,28 @@ def test_decode_launches_never_wait_for_the_device(model_dir: Path) -> None:
         result = runner.finish(pending)
         assert result.step == step and result.slots == [0, 1, 2, 3] and not result.bad_slots
         assert result.logprobs[3].token_id == result.token_ids[3] and len(result.logprobs[3].top_ids) == 3
+
+
+def test_prefill_and_mixed_launches_never_wait_for_the_device(model_dir: Path) -> None:
+    """Steps with prompt chunks (here in graph pieces) are queued without a host sync too: the worker can
+    queue a prefill while the step before it runs. Their tokens are those of plain execute."""
+    prompts = [[5 + s, 6, 7, 8 + s, 9] for s in range(len(COMMON))]
+    new = [NewSeq(s, f"r{s}", p, 5, [2 * s, 2 * s + 1], prompt_ids=prompts[s]) for s, p in enumerate(COMMON)]
+    plans = [
+        StepPlan(0, new[:2], [SeqChunk(0, prompts[0]), SeqChunk(1, prompts[1])]),
+        StepPlan(1, new[2:], [SeqChunk(0), SeqChunk(1), SeqChunk(2, prompts[2]), SeqChunk(3, prompts[3])]),
+    ]
+    reference = cuda_runner(model_dir)
+    expected = [reference.execute(plan).token_ids for plan in plans]
+    runner = cuda_runner(model_dir)
+    assert runner.pieces is not None
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pending = [runner.launch(plan) for plan in plans]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert [runner.finish(p).token_ids for p in pending] == expected
 
 
 def gpu_idle_script() -> ModuleType:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from app.worker.kv_cache import KVCache
+from app.worker.transfer import to_device, upload
 
 if TYPE_CHECKING:
     from app.worker.layers.rotary import Rope
@@ -76,18 +77,14 @@ def build_attention_batch(
     starts = torch.cumsum(qlens, 0) - qlens
     row = torch.repeat_interleave(torch.arange(len(query_lens)), qlens)
     positions = torch.arange(int(qlens.sum())) - starts[row] + context[row]
-    positions = positions.to(device)
-    row = row.to(device)
+    positions = to_device(positions, device)  # no wait for the step in flight (transfer.py)
+    row = to_device(row, device)
     blocks = block_tables[row, positions // block_size].to(torch.int64)
     query_start_loc = [0, *torch.cumsum(qlens, 0).tolist()]
     return AttentionBatch(
         query_start_loc=query_start_loc,
         seq_lens=list(seq_lens),
-        seq_lens_tensor=(
-            seq_lens_tensor
-            if seq_lens_tensor is not None
-            else torch.tensor(seq_lens, dtype=torch.int32, device=device)
-        ),
+        seq_lens_tensor=seq_lens_tensor if seq_lens_tensor is not None else upload(seq_lens, torch.int32, device),
         block_tables=block_tables,
         positions=positions,
         slot_mapping=blocks * block_size + positions % block_size,

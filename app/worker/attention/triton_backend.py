@@ -24,6 +24,7 @@ from app.worker.attention.base import AttentionBackend, AttentionBatch, Attentio
 from app.worker.kv_cache import KVCache
 from app.worker.layers.fused import kernel_module
 from app.worker.layers.rotary import Rope
+from app.worker.transfer import upload
 
 # SM count assumed off-GPU (the interpreter): it only shapes the split count.
 _INTERPRETER_SMS = 4
@@ -87,8 +88,7 @@ class TritonAttentionBackend(AttentionBackend):
         max_query_len = max(query_lens, default=1)
         if max_query_len == 1:
             return self.capture_metadata(batch)
-        device = batch.block_tables.device
-        cu = torch.tensor(starts, dtype=torch.int32, device=device)
+        cu = upload(starts, torch.int32, batch.block_tables.device)
         return TritonAttentionMetadata(
             backend=self, batch=batch, decode=False, cu_seqlens_q=cu, max_query_len=max_query_len
         )

@@ -9,9 +9,10 @@ of the slots' last_token included, and starts a non-blocking copy of the results
 finish() waits for that copy and builds the StepResult. launch() uploads through page-locked
 memory and does not wait for the device, with one known exception: a sampled row with top_p but no
 top_k (sampling/truncation.py). tests/gpu/test_pipeline_gpu.py checks decode steps, and prefill and
-mixed steps on the triton backend (flashinfer's own plan() is not checked there). Device tensors are written in stream order, so a later launch
-may rewrite a slot's rows (released and re-registered) while an earlier step still runs; what
-finish() needs from the host side is captured in the PendingStep.
+mixed steps on the triton backend (flashinfer's own plan() is not checked there). Device tensors are
+written in stream order, so a later launch may rewrite a slot's rows (released and re-registered)
+while an earlier step still runs; what finish() needs from the host side is captured in the
+PendingStep.
 
 A plan is validated in full before anything changes, so a refused plan leaves no trace; releasing
 a slot that holds nothing is a no-op (after a failed step the scheduler frees its sequences).
@@ -260,7 +261,8 @@ class ModelRunner:
     def _configure_pdl(self) -> bool:
         """Programmatic dependent launch for the decode-path Triton kernels (--enable-pdl): on one GPU of
         compute capability 9.0 or newer with a Triton that has it (3.4+); a process-wide switch, set
-        before any kernel is compiled or captured. Measured on the H200: batch 1 -5%, FP8 -9% a step."""
+        before any kernel is compiled or captured. On the H200 it took 0 to 5% off a batch-1 step, 3 to 9%
+        with FP8 weights (docs/benchmarks.md, session 6)."""
         if self.device.type != "cuda":
             return False
         from tokenspeed_kernels.common import PDL_AVAILABLE, set_pdl
@@ -440,8 +442,9 @@ class ModelRunner:
         return self._profile_decode_graph_bytes() + self._profile_piece_bytes()
 
     def _profile_piece_bytes(self) -> int:
-        """The piecewise graphs' pool holds about one eager forward of the largest bucket (buckets never
-        run at once, so they share it); their static buffers come on top."""
+        """The piecewise graphs' pool: twice an eager forward of the largest bucket (buckets never run at
+        once, so they share it, but the captures fragment it: 0.62 GiB at 2048 tokens of the 8B model,
+        about twice the eager peak); their static buffers come on top."""
         if not self.piece_sizes:
             return 0
         dev, size = self.device, max(self.piece_sizes)
@@ -460,7 +463,7 @@ class ModelRunner:
         torch.cuda.synchronize(dev)
         spec = self.model.attention_spec
         static = size * (2 * spec.num_heads * spec.head_dim + self.model.dims.hidden) * self.dtype.itemsize
-        return torch.cuda.max_memory_allocated(dev) - base + static + 3 * 8 * size + GRAPH_OVERHEAD_BYTES
+        return 2 * (torch.cuda.max_memory_allocated(dev) - base) + static + 3 * 8 * size + GRAPH_OVERHEAD_BYTES
 
     def _profile_decode_graph_bytes(self) -> int:
         """The attention backend's own buffers, one eager decode step of the largest capture size at

@@ -107,8 +107,9 @@ class SlotTable:
                 raise ValueError(f"{name} of slot {slot} hold a token id outside [0, {self.vocab_size})")
         prompt = upload(prompt_ids, torch.int64, self.device)
         output = upload(output_ids, torch.int64, self.device)
-        self.prompt_seen[slot].zero_()
-        self.prompt_seen[slot, prompt] = True
+        # index_fill_, not `[slot, prompt] = True`: that assignment copies the scalar over, a device sync
+        # (a GPU test caught it when a prefill's launch was checked under sync debug mode).
+        self.prompt_seen[slot].zero_().index_fill_(0, prompt, True)
         # index_add_, not bincount: bincount sizes its output from the max id, a device sync.
         ones = torch.ones_like(output, dtype=torch.int32)
         self.counts[slot].zero_().index_add_(0, output, ones)

@@ -64,8 +64,8 @@ def check_rows(name: str, x: torch.Tensor) -> None:
 
 # Programmatic dependent launch (Hopper and newer): the decode-path kernels are launched so that the
 # next kernel's programs are scheduled while this one's last wave runs, each waiting (griddepcontrol)
-# for its predecessor's memory before touching any. Off until measured against the plain launches on
-# the H200 (scripts/bench_latency.py --pdl); a process sets it before its CUDA graphs are captured.
+# for its predecessor's memory before touching what that one writes. Off by default here; the model
+# runner turns it on for one Hopper-or-newer GPU (--enable-pdl) before its CUDA graphs are captured.
 _pdl = False
 
 
@@ -88,9 +88,9 @@ def pdl_options() -> dict[str, bool]:
 
 @triton.jit
 def wait_for_predecessor(USE_PDL: tl.constexpr):
-    """A kernel's first statement: under PDL, wait until the previous kernel's memory is visible (before
-    any load or store: no read-after-write nor write-after-read race), then let the next kernel's
-    programs be scheduled."""
+    """Under PDL, wait until the previous kernel's memory is visible, then let the next kernel's programs
+    be scheduled. A kernel's first statement, or after loads of what no kernel writes (the GEMV's
+    weights): no read-after-write nor write-after-read race on anything a kernel produces."""
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()

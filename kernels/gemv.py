@@ -15,6 +15,8 @@ Split-K: with SPLIT_K > 1 the grid is (N blocks, SPLIT_K) and each program write
 and casts. It pays where N / BLOCK_N alone gives too few programs to fill the GPU.
 
 FP8 codes are exact in every float type, so the products are those of the dequantized weight.
+Under programmatic dependent launch (common.set_pdl) each program loads its first weight tile before
+waiting for the kernel before it: weights depend on no kernel, so they stream in while that one ends.
 `pick_config` holds the configuration measured fastest per shape on the H200
 (scripts/gpu/bench_gemv.py); any explicit `GemvConfig` runs as given.
 """

@@ -1,8 +1,8 @@
 """CUDA graphs for prefill and mixed steps, in pieces cut at each layer's attention.
 
-An eager step queues about nine kernels a layer from Python whatever its size: ~15 ms of host work
-for the 8B model on the H200 machine, so below ~1000 tokens the GPU waits for the host, and that wait
-is most of a short prompt's time to first token. Of a layer's work only the attention depends on the
+An eager step queues about nine kernels a layer from Python whatever its size: 10 to 27 ms of host
+work for the 8B model on the H200 machines measured, so for short prompts (or a prompt mostly in the
+prefix cache) the GPU waits for the host, and that wait is most of the time to first token. Of a layer's work only the attention depends on the
 batch's layout (how the tokens split into sequences, their context lengths); every other kernel sees
 a flat [T, hidden] batch. So the forward is captured per token bucket in L + 1 pieces (vLLM's
 piecewise CUDA graphs): piece i runs layer i-1's output projection and MLP, then layer i's norm, QKV

@@ -301,11 +301,12 @@ class Settings(BaseSettings):
     piecewise_cuda_graph_max_tokens: int = _f(
         2048, "Largest prefill or mixed step, in tokens, run as CUDA graph pieces cut at each layer's attention "
         "(token buckets up to it are captured at start-up; larger steps run eagerly). 0: none. Off with "
-        "--enforce-eager.", APPLIANCE, origin="appliance", ge=0)
+        "--enforce-eager; with tensor parallelism prefills run eagerly.", APPLIANCE, origin="appliance", ge=0)
     enable_pdl: bool = _f(
-        True, "Launch the decode-path Triton kernels with programmatic dependent launch (each one's weights "
-        "stream in while the kernel before it finishes). Takes effect on one GPU of compute capability 9.0 "
-        "or newer (Hopper); elsewhere the kernels launch plainly.", APPLIANCE, origin="appliance")
+        True, "Launch the decode-path Triton kernels with programmatic dependent launch (each one's programs "
+        "are scheduled while the kernel before it finishes; the GEMV's weights start streaming then). Takes "
+        "effect on one GPU of compute capability 9.0 or newer (Hopper); elsewhere the kernels launch "
+        "plainly.", APPLIANCE, origin="appliance")
     heartbeat_timeout: float = _f(
         30.0, "Seconds the http, tokenizer or scheduler process may go without a liveness heartbeat before the "
         "supervisor declares it wedged and stops the appliance (exit 1).", APPLIANCE, origin="appliance", gt=0)

@@ -16,6 +16,8 @@
 #                            time goes in the overlapped loop (pyspy_b4-offline.pyspy.txt, collapsed stacks): ~50 s
 #   pyspy_prefill            60 prefills of one 1024-token prompt (bench_latency --prefill-reps) under py-spy:
 #                            where the host's time goes in an eager prefill: ~50 s
+#   profile_prefill          8 requests of 1024 in / 1 out in process, one prefill a step (pipelined), torch.profiler
+#                            over 3 of them: each kernel's GPU time, the GPU's busy share (the prefill's TFLOP/s): ~40 s
 #   profile_b4               4 requests of 1024 in / 256 out in process, torch.profiler over 20 decode steps: each
 #                            kernel's GPU time and calls, and the GPU's busy share (4-stream TPOT): ~50 s
 #   latency_pdl              its GPU tests, then batch 1 and 4 (and batch 1 with FP8 weights), flashinfer, the
@@ -55,7 +57,7 @@ export PYTHONUNBUFFERED=1
 MODEL=configs/models/llama-3.1-8b
 STAGES=${*:-roofline latency_triton tests latency_flashinfer latency_b32 offline hf tests_8b}
 KNOWN=" roofline latency_triton tests latency_flashinfer latency_b4 latency_pdl pieces latency_b32 offline offline_no_overlap latency_fp8 kv_pool \
-offline_1000 offline_1000_g512 offline_1000_fp8 offline_1000_fp8kv offline_b1 profile_b4 pyspy_b4 pyspy_prefill hf tests_8b idle serving serving_eager_prefill tests_tp latency_tp serving_dp tests_fp8kv tests_decode tests_gemv gemv attn attn_sweep "
+offline_1000 offline_1000_g512 offline_1000_fp8 offline_1000_fp8kv offline_b1 profile_prefill profile_b4 pyspy_b4 pyspy_prefill hf tests_8b idle serving serving_eager_prefill tests_tp latency_tp serving_dp tests_fp8kv tests_decode tests_gemv gemv attn attn_sweep "
 for s in $STAGES; do  # every name checked before anything runs
   [[ $KNOWN == *" $s "* ]] || { echo "unknown stage $s; known:$KNOWN"; exit 2; }
 done
@@ -157,6 +159,8 @@ for s in $STAGES; do
     latency_b32) wait $WARM; latency latency_flashinfer_b32 flashinfer 32; latency latency_triton_b32 triton 32 ;;
     # One request in process: the overlapped engine loop's batch-1 step, without the appliance's processes.
     offline_b1) wait $WARM; run_offline offline_b1 120 --num-requests 1 --input-len 1024 --output-len 512 --max-num-seqs 8 ;;
+    profile_prefill) wait $WARM; run_offline profile_prefill 120 --num-requests 8 --input-len 1024 --output-len 1 \
+      --max-num-seqs 2 --chunked-prefill-size 1024 --profile-steps 4:3 ;;
     profile_b4) wait $WARM; run_offline profile_b4 120 --num-requests 4 --input-len 1024 --output-len 256 --max-num-seqs 4 \
       --profile-steps 100:20 ;;
     pyspy_b4) wait $WARM; stage pyspy_b4 150 py-spy record --idle --nonblocking -r 500 -f raw \

@@ -526,7 +526,11 @@ class ModelRunner:
             self.model.dims.hidden,
             self.device,
         )
-        pieces.capture()
+        try:
+            pieces.capture()
+        except Exception as exc:
+            raise RuntimeError(f"capturing the piecewise CUDA graphs failed ({type(exc).__name__}: {exc}); "
+                               "--piecewise-cuda-graph-max-tokens 0 runs prefill and mixed steps eagerly") from exc
         logger.info(
             "CUDA graphs: prefill and mixed steps in %d token buckets (%d..%d), %d pieces each, captured in "
             "%.1f s, using %.2f GiB",

@@ -21,6 +21,14 @@ from .fp8_quant import FP8_MAX, _quantize_e4m3
 
 
 @triton.jit
+def store_cache_rows(ptr, x, scale, mask, FP8: tl.constexpr):
+    """x into cache entries at ptr: FP8, the e4m3 codes of x / scale; else x in the cache's dtype."""
+    if FP8:
+        x = _quantize_e4m3(x, scale)
+    tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _write_kv_kernel(
     k_ptr,
     v_ptr,
@@ -41,11 +49,8 @@ def _write_kv_kernel(
     mask = offs < ROW
     k = tl.load(k_ptr + t * stride_k + offs, mask=mask)
     v = tl.load(v_ptr + t * stride_v + offs, mask=mask)
-    if FP8:
-        k = _quantize_e4m3(k, k_scale)
-        v = _quantize_e4m3(v, v_scale)
-    tl.store(k_cache_ptr + slot * ROW + offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + slot * ROW + offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    store_cache_rows(k_cache_ptr + slot * ROW + offs, k, k_scale, mask, FP8)
+    store_cache_rows(v_cache_ptr + slot * ROW + offs, v, v_scale, mask, FP8)
 
 
 def write_kv(

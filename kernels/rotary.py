@@ -5,7 +5,7 @@ one kernel a layer instead of two).
 Same arithmetic as transformers' q * cos + rotate_half(q) * sin with the float32 cos/sin tables
 cast to the activation dtype first, each product and sum rounded to that dtype as torch does.
 q, k and v may be strided views of the fused QKV output (heads and dims contiguous within a row).
-The cache write is kv_write.write_kv's: an FP8 cache (torch.float8_e4m3fn) stores the rotated K and V
+The cache write is kv_write.write_kv's (store_cache_rows): an FP8 cache (torch.float8_e4m3fn) stores the rotated K and V
 quantized with the layer's k_scale / v_scale.
 """
 
@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .common import FP8_DTYPE, check_kv_caches, check_rows, next_power_of_2, pdl_options, wait_for_predecessor
-from .fp8_quant import _quantize_e4m3
+from .kv_write import store_cache_rows
 
 
 @triton.jit
@@ -81,16 +81,10 @@ def _rotary_kernel(
         head = (h - num_q_heads) * (2 * HALF)
         dst = tl.load(slot_ptr + t).to(tl.int64) * ROW + head + offs
         v = v_ptr + t * stride_v + head + offs
-        # New names, float32 (exact) on both FP8 branches: a runtime branch may not retype o1 / o2.
-        k1, k2 = o1.to(tl.float32), o2.to(tl.float32)
-        v1, v2 = tl.load(v, mask=mask).to(tl.float32), tl.load(v + HALF, mask=mask).to(tl.float32)
-        if FP8:
-            k1, k2 = _quantize_e4m3(k1, k_scale), _quantize_e4m3(k2, k_scale)
-            v1, v2 = _quantize_e4m3(v1, v_scale), _quantize_e4m3(v2, v_scale)
-        tl.store(k_cache_ptr + dst, k1.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(k_cache_ptr + dst + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_cache_ptr + dst, v1.to(v_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_cache_ptr + dst + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        store_cache_rows(k_cache_ptr + dst, o1, k_scale, mask, FP8)
+        store_cache_rows(k_cache_ptr + dst + HALF, o2, k_scale, mask, FP8)
+        store_cache_rows(v_cache_ptr + dst, tl.load(v, mask=mask), v_scale, mask, FP8)
+        store_cache_rows(v_cache_ptr + dst + HALF, tl.load(v + HALF, mask=mask), v_scale, mask, FP8)
 
 
 def _check_tables(cos: torch.Tensor, sin: torch.Tensor) -> None:

@@ -54,9 +54,10 @@ def runner_settings(args: argparse.Namespace, **overrides: Any) -> Any:
         "quantization": args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype,
         "max_total_tokens": args.max_total_tokens,
-        "piecewise_cuda_graph_max_tokens": args.piecewise_cuda_graph_max_tokens,
         "enable_pdl": not args.no_pdl,
     }
+    if args.piecewise_cuda_graph_max_tokens is not None:
+        fields["piecewise_cuda_graph_max_tokens"] = args.piecewise_cuda_graph_max_tokens
     if args.attention_backend:
         fields["attention_backend"] = args.attention_backend
     if args.max_model_len:
@@ -112,8 +113,9 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="largest decode batch captured (default 256)",
     )
-    parser.add_argument("--piecewise-cuda-graph-max-tokens", type=int, default=2048,
-                        help="largest prefill or mixed step run as CUDA graph pieces (0: all eager)")  # fmt: skip
+    parser.add_argument("--piecewise-cuda-graph-max-tokens", type=int, default=None,
+                        help="largest prefill or mixed step run as CUDA graph pieces (0: all eager; default: the "
+                             "appliance's)")  # fmt: skip
     parser.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="TP ranks (rank 0 here, the rest spawned; next GPUs)"
     )

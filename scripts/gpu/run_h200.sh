@@ -58,6 +58,7 @@ MODEL=configs/models/llama-3.1-8b
 STAGES=${*:-roofline latency_triton tests latency_flashinfer latency_b32 offline hf tests_8b}
 KNOWN=" roofline latency_triton tests latency_flashinfer latency_b4 latency_pdl pieces latency_b32 offline offline_no_overlap latency_fp8 kv_pool \
 offline_1000 offline_1000_g512 offline_1000_fp8 offline_1000_fp8kv offline_b1 profile_prefill profile_b4 pyspy_b4 pyspy_prefill hf tests_8b idle serving serving_eager_prefill tests_tp latency_tp serving_dp tests_fp8kv tests_decode tests_gemv gemv attn attn_sweep "
+SERVING_MORE="stagger:4:0.5:32:128 b1:1:0:3:256"  # the serving stages' benchmarks after the first (serve_and_bench.sh)
 for s in $STAGES; do  # every name checked before anything runs
   [[ $KNOWN == *" $s "* ]] || { echo "unknown stage $s; known:$KNOWN"; exit 2; }
 done
@@ -192,8 +193,8 @@ for s in $STAGES; do
     idle) stage gpu_idle 90 python3 scripts/gpu/gpu_idle.py --json "$RUN/gpu_idle.json" ;;
     # 4 streams of 1024-token prompts (the issue's TTFT/TPOT case) with fixed lengths (the 4 arrive
     # together) and with lengths drawn within +-50% (arrivals spread, as in real traffic); one stream.
-    serving) MORE="stagger:4:0.5:32:128 b1:1:0:3:256" PYSPY_BENCH=${PYSPY_BENCH:-} stage serving 260 bash scripts/gpu/serve_and_bench.sh "$RUN" serving ;;
-    serving_eager_prefill) MORE="stagger:4:0.5:32:128 b1:1:0:3:256" SERVE_FLAGS="--piecewise-cuda-graph-max-tokens 0" \
+    serving) MORE=$SERVING_MORE PYSPY_BENCH=${PYSPY_BENCH:-} stage serving 260 bash scripts/gpu/serve_and_bench.sh "$RUN" serving ;;
+    serving_eager_prefill) MORE=$SERVING_MORE SERVE_FLAGS="--piecewise-cuda-graph-max-tokens 0" \
       stage serving_eager_prefill 260 bash scripts/gpu/serve_and_bench.sh "$RUN" serving_eager_prefill ;;
     # Two GPUs (nvidia-h200-x2): TP=2 parity tests, batch-1 decode TP=1 vs TP=2, and the appliance's
     # throughput with one replica vs two (--data-parallel-size 2) at twice the concurrency.

@@ -3,7 +3,7 @@
 Kernel 1, grid (batch, kv_heads, num_splits): a program takes one KV head with its whole group of
 query heads (GQA: the K/V rows are read once for the group) and one contiguous piece of the context;
 it writes a normalised partial output and its log-sum-exp. Kernel 2, grid (batch, q_heads), merges
-the pieces. The split length is derived from each sequence's length on the device, so the grid
+the pieces. With one piece (large batches) kernel 1 writes the output itself and kernel 2 is skipped. The split length is derived from each sequence's length on the device, so the grid
 depends only on (batch, num_splits): the launch is CUDA-graph safe. Empty pieces (short sequences)
 write lse = -inf and weigh nothing in the merge.
 
@@ -49,11 +49,14 @@ def _decode_split_kernel(
     seq_lens_ptr,
     part_out_ptr,
     part_lse_ptr,
+    out_ptr,
     scale,
     v_scale,
     stride_qb,
     stride_qh,
     stride_bt,
+    stride_ob,
+    stride_oh,
     num_splits,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -64,6 +67,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     Q_TO_F16: tl.constexpr,
+    WHOLE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     wait_for_predecessor(USE_PDL)
@@ -108,8 +112,12 @@ def _decode_split_kernel(
         m_i = m_new
 
     has = l_i > 0
-    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
     out = acc / tl.where(has, l_i, 1.0)[:, None] * v_scale
+    if WHOLE:  # one piece: it is the output (what the merge would write, bit for bit)
+        dst = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+        return
+    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
     part = (b * (NUM_KV_HEADS * GROUP) + heads).to(tl.int64) * num_splits + split
     tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=q_mask)
     tl.store(part_lse_ptr + part, lse, mask=g_mask)
@@ -187,20 +195,25 @@ def paged_decode_attention(
         out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
-    part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    whole = num_splits == 1  # no partials and no merge: at large batches every SM is busy anyway
+    part_shape = (0,) if whole else (batch, num_heads, num_splits)
+    part_out = torch.empty(*part_shape, head_dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(part_shape, dtype=torch.float32, device=q.device)
     block_d = max(next_power_of_2(head_dim), 16)
     q_to_f16 = k_cache.dtype == FP8_DTYPE and q.dtype == torch.bfloat16
     if q_to_f16:
         scale = scale * 256.0  # q was scaled by 2^-8
     launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse,
-        scale * k_scale, v_scale, q.stride(0), q.stride(1), block_tables.stride(0), num_splits,
+        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, out,
+        scale * k_scale, v_scale, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0),
+        out.stride(1), num_splits,
         GROUP=group, GROUP_PAD=max(next_power_of_2(group), 16), NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=k_cache.shape[1], BLOCK_N=block_n,
-        PRECISION=dot_precision(q.dtype), Q_TO_F16=q_to_f16, **launch, **pdl_options(),
+        PRECISION=dot_precision(q.dtype), Q_TO_F16=q_to_f16, WHOLE=whole, **launch, **pdl_options(),
     )  # fmt: skip
+    if whole:
+        return out
     _decode_merge_kernel[(batch, num_heads)](
         part_out, part_lse, out, out.stride(0), out.stride(1), num_splits,
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_PAD=next_power_of_2(num_splits),

@@ -73,14 +73,18 @@ def test_decode_tile_options(block_n: int) -> None:
     assert rel_err(out, paged_decode_attention_reference(q, k, v, table, seq_lens, 32**-0.5)) < 1e-5
 
 
-def test_decode_reads_a_strided_query_view() -> None:
+@pytest.mark.parametrize("splits", [1, 2])  # one piece: the split kernel writes the output itself
+def test_decode_reads_and_writes_strided_views(splits: int) -> None:
     gen = torch.Generator().manual_seed(7)
     k, v, table = paged_cache([33, 5], 8, 2, 16, torch.float32, gen)
     qkv = torch.randn(2, (4 + 2 * 2) * 16, generator=gen)
     q = qkv[:, : 4 * 16].view(2, 4, 16)  # a view of the fused projection, row stride 128
     seq_lens = torch.tensor([33, 5], dtype=torch.int32)
-    out = paged_decode_attention(q, k, v, table, seq_lens, 0.25, 2)
+    rows = torch.full((2, 2 * 4 * 16), float("nan"))
+    out = rows[:, 4 * 16 :].view(2, 4, 16)  # an output view with row stride 128
+    paged_decode_attention(q, k, v, table, seq_lens, 0.25, splits, out=out)
     assert rel_err(out, paged_decode_attention_reference(q, k, v, table, seq_lens, 0.25)) < 1e-5
+    assert rows[:, : 4 * 16].isnan().all()  # nothing written outside the view
 
 
 def test_num_splits_heuristic() -> None:

@@ -33,6 +33,13 @@ def rotate_halves(x1, x2, cos, sin):
     return o1.to(dtype), o2.to(dtype)
 
 
+# Heads a program rotates: one at decode sizes (a batch's few tokens spread over as many SMs: H200,
+# batch 4, with the write, 3.3 us a layer by token, 2.1 us by head); several beyond, where one-head
+# programs are too small to keep up (1024-token prefill: 50 us a layer at one head a program).
+ONE_HEAD_MAX_TOKENS = 16
+HEADS_PER_PROGRAM = 8
+
+
 @triton.jit
 def _rotary_kernel(
     q_ptr,
@@ -49,42 +56,45 @@ def _rotary_kernel(
     stride_v,
     stride_table,
     num_q_heads,
+    num_heads,
     k_scale,
     v_scale,
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
     ROW: tl.constexpr,
     WRITE_KV: tl.constexpr,
     FP8: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """Program (t, h): token t's query head h, or for h >= num_q_heads its KV head h - num_q_heads
-    (rotate k; with WRITE_KV, then write k and v into the token's cache slot). One head a program: at
-    decode sizes one program per token left the step's few tokens on as many SMs (H200, batch 4, with
-    the write: 3.3 us a layer, 2.1 us by head)."""
+    """Program (t, j): token t's heads j * BLOCK_H + [0, BLOCK_H) of q's heads followed by k's (a head
+    h >= num_q_heads is KV head h - num_q_heads: rotate k; with WRITE_KV, then write k and v into the
+    token's cache slot)."""
     wait_for_predecessor(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     offs = tl.arange(0, BLOCK_HALF)
-    mask = offs < HALF
-    cos = tl.load(cos_ptr + pos * stride_table + offs, mask=mask, other=0.0)
-    sin = tl.load(sin_ptr + pos * stride_table + offs, mask=mask, other=0.0)
-    if h < num_q_heads:
-        x = q_ptr + t * stride_q + h * (2 * HALF) + offs
-    else:
-        x = k_ptr + t * stride_k + (h - num_q_heads) * (2 * HALF) + offs
+    d_mask = offs < HALF
+    cos = tl.load(cos_ptr + pos * stride_table + offs, mask=d_mask, other=0.0)[None, :]
+    sin = tl.load(sin_ptr + pos * stride_table + offs, mask=d_mask, other=0.0)[None, :]
+    is_q = heads < num_q_heads
+    kv_head = heads - num_q_heads
+    row = tl.where(is_q, q_ptr + t * stride_q + heads * (2 * HALF), k_ptr + t * stride_k + kv_head * (2 * HALF))
+    x = row[:, None] + offs[None, :]
+    mask = (heads < num_heads)[:, None] & d_mask[None, :]
     o1, o2 = rotate_halves(tl.load(x, mask=mask), tl.load(x + HALF, mask=mask), cos, sin)
     tl.store(x, o1, mask=mask)
     tl.store(x + HALF, o2, mask=mask)
-    if WRITE_KV and h >= num_q_heads:
-        head = (h - num_q_heads) * (2 * HALF)
-        dst = tl.load(slot_ptr + t).to(tl.int64) * ROW + head + offs
-        v = v_ptr + t * stride_v + head + offs
-        store_cache_rows(k_cache_ptr + dst, o1, k_scale, mask, FP8)
-        store_cache_rows(k_cache_ptr + dst + HALF, o2, k_scale, mask, FP8)
-        store_cache_rows(v_cache_ptr + dst, tl.load(v, mask=mask), v_scale, mask, FP8)
-        store_cache_rows(v_cache_ptr + dst + HALF, tl.load(v + HALF, mask=mask), v_scale, mask, FP8)
+    if WRITE_KV:
+        kv_mask = mask & ~is_q[:, None]
+        head = tl.where(is_q, 0, kv_head)[:, None] * (2 * HALF) + offs[None, :]
+        dst = tl.load(slot_ptr + t).to(tl.int64) * ROW + head
+        v = v_ptr + t * stride_v + head
+        store_cache_rows(k_cache_ptr + dst, o1, k_scale, kv_mask, FP8)
+        store_cache_rows(k_cache_ptr + dst + HALF, o2, k_scale, kv_mask, FP8)
+        store_cache_rows(v_cache_ptr + dst, tl.load(v, mask=kv_mask), v_scale, kv_mask, FP8)
+        store_cache_rows(v_cache_ptr + dst + HALF, tl.load(v + HALF, mask=kv_mask), v_scale, kv_mask, FP8)
 
 
 def _check_tables(cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -104,11 +114,13 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor
     if num_tokens == 0:
         return
     k_cache, v_cache, slots = caches or (k, v, positions)  # unread when WRITE_KV is off
-    _rotary_kernel[(num_tokens, q.shape[1] + k.shape[1])](
+    num_heads = q.shape[1] + k.shape[1]
+    block_h = 1 if num_tokens <= ONE_HEAD_MAX_TOKENS else HEADS_PER_PROGRAM
+    _rotary_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
         q, k, v, cos, sin, positions, k_cache, v_cache, slots, q.stride(0), k.stride(0), v.stride(0),
-        cos.stride(0), q.shape[1], float(k_scale), float(v_scale),
-        HALF=half, BLOCK_HALF=next_power_of_2(half), ROW=v.shape[1] * v.shape[2], WRITE_KV=caches is not None,
-        FP8=k_cache.dtype == FP8_DTYPE, **pdl_options(),
+        cos.stride(0), q.shape[1], num_heads, float(k_scale), float(v_scale),
+        HALF=half, BLOCK_HALF=next_power_of_2(half), BLOCK_H=block_h, ROW=v.shape[1] * v.shape[2],
+        WRITE_KV=caches is not None, FP8=k_cache.dtype == FP8_DTYPE, **pdl_options(),
     )  # fmt: skip
 
 

@@ -204,31 +204,35 @@ def test_kernels_on_cuda_match_references() -> None:
         torch.randn(64, 64, device="cuda", generator=gen),
         torch.randn(64, 64, device="cuda", generator=gen),
     )
-    qr, kr = q.clone(), torch.randn(2, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
-    pos = torch.tensor([3, 60], device="cuda")
-    ref_q, ref_k = rotary.rotary_reference(qr, kr, cos, sin, pos)
-    rotary.rotary_inplace(qr, kr, cos, sin, pos)
-    # bf16 on CUDA: rounding differs from torch's by an ulp, and x*cos - y*sin cancels, so an
-    # element near 0 can be an ulp of its operands (|x| ~ 1: 2**-7) away; a wrong rotation is O(1) off.
-    torch.testing.assert_close(qr, ref_q, atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(kr, ref_k, atol=2e-2, rtol=2e-2)
+    for tokens in (2, 40):  # one head a program, then several
+        qr = torch.randn(tokens, 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+        kr = torch.randn(tokens, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+        pos = torch.randint(0, 64, (tokens,), device="cuda", generator=gen)
+        ref_q, ref_k = rotary.rotary_reference(qr, kr, cos, sin, pos)
+        rotary.rotary_inplace(qr, kr, cos, sin, pos)
+        # bf16 on CUDA: rounding differs from torch's by an ulp, and x*cos - y*sin cancels, so an
+        # element near 0 can be an ulp of its operands (|x| ~ 1: 2**-7) away; a wrong rotation is O(1) off.
+        torch.testing.assert_close(qr, ref_q, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(kr, ref_k, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("tokens", [5, 40])  # one head a program, then several
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_fused_rotary_and_kv_write_on_cuda_equal_the_two_kernels(kv_dtype: torch.dtype) -> None:
+def test_fused_rotary_and_kv_write_on_cuda_equal_the_two_kernels(kv_dtype: torch.dtype, tokens: int) -> None:
     """rotate_and_write_kv on the GPU compiler's code: the bits of rotary_inplace then write_kv."""
     from tokenspeed_kernels import kv_write, rotary
 
     gen = torch.Generator(device="cuda").manual_seed(1)
     scales = {"k_scale": 0.5, "v_scale": 0.25} if kv_dtype == torch.float8_e4m3fn else {}
     cos, sin = torch.randn(256, 64, device="cuda", generator=gen), torch.randn(256, 64, device="cuda", generator=gen)
-    qkv = torch.randn(5, 48 * 128, device="cuda", dtype=torch.bfloat16, generator=gen)
-    pos = torch.tensor([0, 3, 200, 7, 7], device="cuda")
-    slots = torch.tensor([1, 9, 40, 2, 77], device="cuda")
+    qkv = torch.randn(tokens, 48 * 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    pos = torch.randint(0, 256, (tokens,), device="cuda", generator=gen)
+    slots = torch.randperm(128, device="cuda", generator=gen)[:tokens]
     results = []
     for fused in (True, False):
         x, caches = qkv.clone(), [torch.zeros(8, 16, 8, 128, device="cuda").to(kv_dtype) for _ in range(2)]
-        xq, xk, xv = x[:, :4096].view(5, 32, 128), x[:, 4096:5120].view(5, 8, 128), x[:, 5120:].view(5, 8, 128)
+        xq = x[:, :4096].view(tokens, 32, 128)
+        xk, xv = x[:, 4096:5120].view(tokens, 8, 128), x[:, 5120:].view(tokens, 8, 128)
         if fused:
             rotary.rotate_and_write_kv(xq, xk, xv, cos, sin, pos, *caches, slots, *scales.values())
         else:

@@ -28,17 +28,18 @@ def test_rms_norm_and_fused_residual(dtype: torch.dtype) -> None:
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_rotary_in_place_on_fused_views(dtype: torch.dtype) -> None:
+# 6 tokens: one head a program; 20: several (7 + 3 heads: two programs a token, q and k within one).
+@pytest.mark.parametrize(("dtype", "tokens"), [(torch.float32, 6), (torch.float16, 6), (torch.float16, 20)])
+def test_rotary_in_place_on_fused_views(dtype: torch.dtype, tokens: int) -> None:
     gen = torch.Generator().manual_seed(1)
-    heads, kv_heads, dim, tokens = 4, 2, 16, 6
+    heads, kv_heads, dim = 7, 3, 16
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
     q = qkv[:, : heads * dim].view(tokens, heads, dim)
     k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
     v_before = qkv[:, (heads + kv_heads) * dim :].clone()
     angles = torch.rand(64, dim // 2, generator=gen) * 6
     cos, sin = angles.cos(), angles.sin()
-    positions = torch.tensor([0, 5, 63, 7, 7, 1])
+    positions = torch.randint(0, 64, (tokens,), generator=gen)
     ref_q, ref_k = rotary_reference(q.clone(), k.clone(), cos, sin, positions)
     rotary_inplace(q, k, cos, sin, positions)
     # Bit-exact: every product and sum rounded to the dtype as torch rounds it.
@@ -53,17 +54,20 @@ def test_silu_and_mul(dtype: torch.dtype) -> None:
     torch.testing.assert_close(silu_and_mul(x), silu_and_mul_reference(x), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.float8_e4m3fn])
-def test_fused_rotary_and_kv_write_equal_the_two_kernels(cache_dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    ("cache_dtype", "tokens"),
+    [(torch.float32, 5), (torch.float16, 5), (torch.float8_e4m3fn, 5), (torch.float16, 20), (torch.float8_e4m3fn, 20)],
+)
+def test_fused_rotary_and_kv_write_equal_the_two_kernels(cache_dtype: torch.dtype, tokens: int) -> None:
     """rotate_and_write_kv: the same bits as rotary_inplace then write_kv, on views of a fused QKV row."""
     dtype = torch.float32 if cache_dtype == torch.float32 else torch.float16
     scales = (0.5, 0.25) if cache_dtype == torch.float8_e4m3fn else (1.0, 1.0)
     gen = torch.Generator().manual_seed(3)
-    heads, kv_heads, dim, tokens = 4, 2, 16, 5
+    heads, kv_heads, dim = 7, 3, 16
     angles = torch.rand(64, dim // 2, generator=gen) * 6
     cos, sin = angles.cos(), angles.sin()
-    positions = torch.tensor([0, 9, 63, 2, 2])
-    slots = torch.randperm(12, generator=gen)[:tokens]
+    positions = torch.randint(0, 64, (tokens,), generator=gen)
+    slots = torch.randperm(24, generator=gen)[:tokens]
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype) * 4
     results = []
     for fused in (True, False):
@@ -71,7 +75,7 @@ def test_fused_rotary_and_kv_write_equal_the_two_kernels(cache_dtype: torch.dtyp
         q = x[:, : heads * dim].view(tokens, heads, dim)
         k = x[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
         v = x[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
-        caches = [torch.zeros(12, kv_heads, dim).to(cache_dtype) for _ in range(2)]
+        caches = [torch.zeros(24, kv_heads, dim).to(cache_dtype) for _ in range(2)]
         if fused:
             rotate_and_write_kv(q, k, v, cos, sin, positions, *caches, slots, *scales)
         else:

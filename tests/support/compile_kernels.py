@@ -86,6 +86,10 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
         cos = torch.zeros(64, dim // 2)
         pos = torch.zeros(tokens, dtype=torch.int64)
         out.append((f"rotary {dtype}", lambda q=q, k=k, cos=cos, pos=pos: rotary.rotary_inplace(q, k, cos, cos, pos)))
+        many = rotary.ONE_HEAD_MAX_TOKENS + 1  # several heads a program
+        qm, km, pm = (torch.zeros(many, *x.shape[1:], dtype=x.dtype) for x in (q, k, pos))
+        out.append((f"rotary {dtype}, {many} tokens",
+                    lambda q=qm, k=km, cos=cos, pos=pm: rotary.rotary_inplace(q, k, cos, cos, pos)))  # fmt: skip
         caches = [dtype, FP8] if dtype != torch.float32 else [dtype]
         for cache_dtype in caches:
             scale = 0.5 if cache_dtype == FP8 else 1.0
@@ -94,6 +98,9 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
                         lambda k=k, kc=kc, pos=pos, s=scale: kv_write.write_kv(k, k, kc, kc.clone(), pos, s, s)))
             out.append((f"rotate_and_write_kv {dtype} -> {cache_dtype}",
                         lambda q=q, k=k, kc=kc, cos=cos, pos=pos, s=scale: rotary.rotate_and_write_kv(
+                            q, k, k.clone(), cos, cos, pos, kc, kc.clone(), pos, s, s)))  # fmt: skip
+            out.append((f"rotate_and_write_kv {dtype} -> {cache_dtype}, {many} tokens",
+                        lambda q=qm, k=km, kc=kc, cos=cos, pos=pm, s=scale: rotary.rotate_and_write_kv(
                             q, k, k.clone(), cos, cos, pos, kc, kc.clone(), pos, s, s)))  # fmt: skip
             dq = torch.zeros(2, heads, dim, dtype=dtype)
             out.append((f"decode_attention {dtype} / {cache_dtype}",

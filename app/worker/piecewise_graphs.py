@@ -173,6 +173,6 @@ class PiecewiseGraphs(CapturedSizes):
         num = batch.num_tokens
         pieces.graphs[0].replay()
         for layer, graph in zip(pieces.layers, pieces.graphs[1:], strict=True):
-            self.attn_out[:num].copy_(self.backend.attend(layer, self.queries[:num], meta))
+            self.backend.attend(layer, self.queries[:num], meta, out=self.attn_out[:num])
             graph.replay()
         return self.hidden[:num]

@@ -48,10 +48,15 @@ def test_triton_backend_matches_torch_backend(query_lens: list[int], seq_lens: l
     n = batch.num_tokens
     q = torch.randn(n, 4, 16, generator=gen)
     k, v = torch.randn(n, 2, 16, generator=gen), torch.randn(n, 2, 16, generator=gen)
-    out = triton_backend.forward(0, q, k, v, triton_backend.plan(batch))
+    meta = triton_backend.plan(batch)
+    out = triton_backend.forward(0, q, k, v, meta)
     expected = torch_backend.forward(0, q, k, v, torch_backend.plan(batch))
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(ours.k[0], ref.k[0]) and torch.equal(ours.v[0], ref.v[0])  # same KV writes
+    # attend alone (the piecewise graphs' call), into a given buffer: the same output
+    buffer = torch.full((n + 2, 4, 16), float("nan"))
+    assert triton_backend.attend(0, q, meta, out=buffer[:n]).data_ptr() == buffer.data_ptr()
+    assert torch.equal(buffer[:n], out) and buffer[n:].isnan().all()
 
 
 def test_capture_metadata_splits_for_the_longest_context() -> None:

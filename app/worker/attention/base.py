@@ -163,8 +163,11 @@ class AttentionBackend(ABC):
         """q [T, Hq, D], k and v [T, Hkv, D] for the step's new tokens -> output [T, Hq, D]. rope: the
         step's rotary embedding, applied to q and k first (None: they come rotated, or the model has none)."""
 
-    def attend(self, layer_idx: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The attention alone, q [T, Hq, D] rotated, over a cache that already holds the step's K/V."""
+    def attend(
+        self, layer_idx: int, q: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The attention alone, q [T, Hq, D] rotated, over a cache that already holds the step's K/V;
+        written into out (contiguous, q's shape and dtype) when given."""
         raise NotImplementedError(f"the {self.name} attention backend does not attend apart from forward")
 
     def capture_metadata(self, batch: AttentionBatch) -> AttentionMetadata:

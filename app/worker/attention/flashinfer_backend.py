@@ -273,19 +273,26 @@ class FlashInferAttentionBackend(AttentionBackend):
         q = write_new_tokens(self.kv_cache, layer_idx, q, k, v, meta.batch.slot_mapping, rope)
         return self.attend(layer_idx, q, meta)
 
-    def attend(self, layer_idx: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def attend(
+        self, layer_idx: int, q: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if isinstance(meta, TritonAttentionMetadata):
             assert self.triton is not None
-            return self.triton.attend(layer_idx, q, meta)
+            return self.triton.attend(layer_idx, q, meta, out)
         if isinstance(meta, MixedMetadata):
             n = meta.decode_tokens
-            return torch.cat([self.attend(layer_idx, q[:n], meta.decode),
-                              self.attend(layer_idx, q[n:], meta.prefill)])  # fmt: skip
+            out = torch.empty_like(q) if out is None else out
+            self.attend(layer_idx, q[:n], meta.decode, out[:n])
+            self.attend(layer_idx, q[n:], meta.prefill, out[n:])
+            return out
         assert isinstance(meta, FlashInferMetadata)
         k_cache, v_cache = self.kv_cache.k[layer_idx], self.kv_cache.v[layer_idx]
         k_scale, v_scale = self.kv_cache.k_scales[layer_idx], self.kv_cache.v_scales[layer_idx]
         # 1.0 for a 16-bit cache: flashinfer then leaves the softmax scale and the output as they are.
-        return meta.wrapper.run(q.contiguous(), (k_cache, v_cache), k_scale=k_scale, v_scale=v_scale)
+        # Without out, the wrapper would zero a fresh output first.
+        return meta.wrapper.run(
+            q.contiguous(), (k_cache, v_cache), k_scale=k_scale, v_scale=v_scale, out=out
+        )
 
 
 def kernels_unavailable(spec: AttentionSpec, kv_dtype: torch.dtype, device: torch.device) -> str | None:

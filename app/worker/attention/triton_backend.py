@@ -118,7 +118,9 @@ class TritonAttentionBackend(AttentionBackend):
         q = write_new_tokens(self.kv_cache, layer_idx, q, k, v, meta.batch.slot_mapping, rope)
         return self.attend(layer_idx, q, meta)
 
-    def attend(self, layer_idx: int, q: torch.Tensor, meta: TritonAttentionMetadata) -> torch.Tensor:
+    def attend(
+        self, layer_idx: int, q: torch.Tensor, meta: TritonAttentionMetadata, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The attention alone, over a cache that already holds the step's K/V."""
         batch = meta.batch
         k_cache, v_cache = self.kv_cache.k[layer_idx], self.kv_cache.v[layer_idx]
@@ -132,6 +134,7 @@ class TritonAttentionBackend(AttentionBackend):
                 batch.seq_lens_tensor,
                 self.spec.scale,
                 meta.num_splits,
+                out=out,
                 **scales,
             )
         assert meta.cu_seqlens_q is not None
@@ -144,6 +147,7 @@ class TritonAttentionBackend(AttentionBackend):
             batch.seq_lens_tensor,
             meta.max_query_len,
             self.spec.scale,
+            out=out,
             **scales,
         )
 

@@ -76,6 +76,11 @@ def set_pdl(enabled: bool) -> None:
     _pdl = enabled
 
 
+def pdl_enabled() -> bool:
+    """Whether kernels launch with programmatic dependent launch (set_pdl)."""
+    return _pdl
+
+
 _PDL_ON = {"USE_PDL": True, "launch_pdl": True}
 _PDL_OFF = {"USE_PDL": False}
 

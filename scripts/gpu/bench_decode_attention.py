@@ -142,12 +142,16 @@ def main() -> None:
     parser.add_argument("--triton-configs", default="",
                         help="BLOCK_N:WARPS:STAGES[:SPLITS],...: see the module docstring")
     parser.add_argument("--sweep-cases", default="384x1500,64x1500", help="BATCHxCONTEXT,... for --triton-configs")
+    parser.add_argument("--cases", default=",".join(f"{b}x{c}" for b, c in CASES),
+                        help="BATCHxCONTEXT,... for the backends")  # fmt: skip
+    parser.add_argument("--kv-dtypes", default="bfloat16,float8_e4m3fn", help="KV cache dtypes, in torch's names")
     args = parser.parse_args()
     bandwidth = copy_bandwidth(torch.device("cuda"))
     gen = torch.Generator().manual_seed(0)
     rows = []
     configs = [c for c in args.triton_configs.split(",") if c]
-    for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+    cases = [tuple(int(v) for v in case.split("x")) for case in args.cases.split(",")]
+    for kv_dtype in (getattr(torch, name) for name in args.kv_dtypes.split(",")):
         sweep_cases = [tuple(int(v) for v in case.split("x")) for case in args.sweep_cases.split(",")]
         for batch, context in sweep_cases if configs else []:
             for config in configs:
@@ -159,10 +163,10 @@ def main() -> None:
                 row["of_copy_bandwidth"] = row.get("tb_s", 0.0) * 1e12 / bandwidth
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
-        for batch, context in [] if configs else CASES:
+        for batch, context in [] if configs else cases:
             for name in args.backends.split(","):
-                if name == "flashinfer_tensor_cores" and kv_dtype == torch.bfloat16:
-                    continue  # the backend refuses it (never the faster choice for a 16-bit cache)
+                if name in ("flashinfer_tensor_cores", "flashinfer_xqa") and kv_dtype == torch.bfloat16:
+                    continue  # the backend refuses them for a 16-bit cache
                 try:
                     row = run_case(name, kv_dtype, batch, context, gen, args.reps)
                 except Exception as exc:  # one backend failing a case must not hide the others

@@ -43,6 +43,7 @@
 #   tests_gemv               GPU tests of kernels/gemv.py and of the pipelined steps (no host sync at launch): ~60 s
 #   tests_decode             GPU tests of the decode step's kernels and backends (fused rotary + KV write, both
 #                            caches, graphs vs eager) and of the pipelined steps (PDL included): ~60 s
+#   tests_fi_decode          the flashinfer backend's decode kernels (xqa included) against torch: ~30 s + JIT
 #   tests_fp8kv              GPU tests of the FP8 KV backends, flashinfer sampling and FP8 GEMMs: ~150 s
 #   tests_tp latency_tp      two GPUs (nvidia-h200-x2): TP=2 GPU tests; batch-1 decode at TP=1 and TP=2
 #   serving_dp               two GPUs: the appliance at 1 replica, then --data-parallel-size 2: ~300 s
@@ -57,7 +58,7 @@ export PYTHONUNBUFFERED=1
 MODEL=configs/models/llama-3.1-8b
 STAGES=${*:-roofline latency_triton tests latency_flashinfer latency_b32 offline hf tests_8b}
 KNOWN=" roofline latency_triton tests latency_flashinfer latency_b4 latency_pdl pieces latency_b32 offline offline_no_overlap latency_fp8 kv_pool \
-offline_1000 offline_1000_g512 offline_1000_fp8 offline_1000_fp8kv offline_b1 profile_prefill profile_b4 pyspy_b4 pyspy_prefill hf tests_8b idle serving serving_eager_prefill tests_tp latency_tp serving_dp tests_fp8kv tests_decode tests_gemv gemv attn attn_sweep "
+offline_1000 offline_1000_g512 offline_1000_fp8 offline_1000_fp8kv offline_b1 profile_prefill profile_b4 pyspy_b4 pyspy_prefill hf tests_8b idle serving serving_eager_prefill tests_tp latency_tp serving_dp tests_fp8kv tests_decode tests_fi_decode tests_gemv gemv attn attn_sweep "
 SERVING_MORE="stagger:4:0.5:32:128 b1:1:0:3:256"  # the serving stages' benchmarks after the first (serve_and_bench.sh)
 for s in $STAGES; do  # every name checked before anything runs
   [[ $KNOWN == *" $s "* ]] || { echo "unknown stage $s; known:$KNOWN"; exit 2; }
@@ -198,7 +199,9 @@ for s in $STAGES; do
       stage serving_eager_prefill 260 bash scripts/gpu/serve_and_bench.sh "$RUN" serving_eager_prefill ;;
     # Two GPUs (nvidia-h200-x2): TP=2 parity tests, batch-1 decode TP=1 vs TP=2, and the appliance's
     # throughput with one replica vs two (--data-parallel-size 2) at twice the concurrency.
-    attn) wait $WARM; stage attn 200 python3 scripts/gpu/bench_decode_attention.py --json "$RUN/attn.json" ;;
+    # ATTN_ARGS: more bench_decode_attention.py flags (--backends, --cases, --kv-dtypes).
+    # shellcheck disable=SC2086
+    attn) wait $WARM; stage attn 200 python3 scripts/gpu/bench_decode_attention.py --json "$RUN/attn.json" ${ATTN_ARGS:-} ;;
     # The Triton decode kernel's launch options (context tile : warps : stages[ : splits]), both caches.
     attn_sweep) stage attn_sweep 200 python3 scripts/gpu/bench_decode_attention.py --json "$RUN/attn_sweep.json" \
       --triton-configs "${ATTN_CONFIGS:-64:4:3,64:4:2,64:8:3,128:8:2,32:4:3}" \
@@ -208,6 +211,8 @@ for s in $STAGES; do
       --json "$RUN/gemv.json" ;;
     tests_gemv) stage tests_gemv 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gemv_gpu.py \
       tests/gpu/test_pipeline_gpu.py ;;
+    tests_fi_decode) wait $WARM; stage tests_fi_decode 200 python3 -m pytest -q -s -p no:cacheprovider \
+      tests/gpu/test_backends_gpu.py -k "flashinfer_decode_kernels" ;;
     tests_decode) wait $WARM; stage tests_decode 220 python3 -m pytest -q -p no:cacheprovider -k "not 8b" \
       tests/gpu/test_backends_gpu.py tests/gpu/test_fp8_kv_backends.py tests/gpu/test_pipeline_gpu.py ;;
     tests_fp8kv) wait $WARM; stage tests_fp8kv 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_kv_backends.py \

@@ -21,8 +21,12 @@ H200, 384 sequences of 1500 tokens, share of the copy bandwidth):
 - an FP8 cache: flashinfer's tensor-core path, i.e. its FA2 prefill kernels with one query row per
   sequence (0.56), ahead of Triton (0.52 with float16 operands; the offline 1000 x 1000 run ties) and the
   CUDA-core kernel (0.28).
-`decode_kernel` ("triton", "tensor_cores", "cuda_cores") overrides the choice; "tensor_cores" is
+`decode_kernel` ("triton", "tensor_cores", "cuda_cores", "xqa") overrides the choice; "tensor_cores" is
 refused for a 16-bit cache (never the faster there, and its FA2 16-bit kernels are not built or tested).
+"xqa" is TensorRT-LLM's Hopper decode kernel as flashinfer ships it (flashinfer.decode.
+xqa_batch_decode_with_kv_cache): FP8 tensor-core math on an FP8 cache (the query is rounded to FP8
+too), compute capability 9.x, blocks of 16 to 128 tokens. It reads the block tables and lengths
+directly (no plan), so its CUDA graphs need no re-planning.
 
 FP8 KV cache (float8_e4m3fn codes, per-layer scales): the wrappers are planned with
 kv_data_type=float8_e4m3fn and the query dtype (AttentionSpec.q_dtype, which must then be set: the
@@ -65,11 +69,34 @@ INT_WORKSPACE_BYTES = 8 << 20
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)  # query (model) dtypes
 SUPPORTED_HEAD_DIMS = (64, 128, 256)  # the head sizes flashinfer's paged kernels are built for
 FP8_KV_DTYPE = torch.float8_e4m3fn
-DECODE_KERNELS = ("triton", "tensor_cores", "cuda_cores")  # see the module docstring
+DECODE_KERNELS = ("triton", "tensor_cores", "cuda_cores", "xqa")  # see the module docstring
+XQA_BLOCK_SIZES = (16, 32, 64, 128)
+# xqa's workspace: flashinfer takes its first 8 MiB for semaphores (zero before the first call; each
+# call leaves them zero), the rest for split contexts' partial results (small: xqa splits a context
+# only while SMs would idle).
+XQA_WORKSPACE_BYTES = 32 << 20
 
 
-def default_decode_kernel(kv_dtype: torch.dtype) -> str:
-    return "tensor_cores" if kv_dtype == FP8_KV_DTYPE else "triton"
+def default_decode_kernel(kv_dtype: torch.dtype, device: torch.device, block_size: int, head_dim: int) -> str:
+    """The fastest decode kernel that runs this cache here (see the module docstring)."""
+    if kv_dtype != FP8_KV_DTYPE:
+        return "triton"
+    if xqa_unsupported(kv_dtype, device, block_size, head_dim) is None:
+        return "xqa"
+    return "tensor_cores"
+
+
+def xqa_unsupported(kv_dtype: torch.dtype, device: torch.device, block_size: int, head_dim: int) -> str | None:
+    """Why the xqa decode kernel cannot read this cache here (None: it can)."""
+    capability = torch.cuda.get_device_capability(device)
+    if kv_dtype != FP8_KV_DTYPE or capability[0] != 9:
+        return f"decode kernel 'xqa' serves an FP8 cache on compute capability 9.x (Hopper), not a {kv_dtype} cache on {capability}"
+    if block_size not in XQA_BLOCK_SIZES or head_dim % 16 or head_dim > 256:
+        return (
+            f"decode kernel 'xqa' needs --block-size in {XQA_BLOCK_SIZES} and a head size that is a "
+            f"multiple of 16 up to 256, not {block_size} and {head_dim}"
+        )
+    return None
 
 
 def import_flashinfer() -> Any:
@@ -121,6 +148,11 @@ class FlashInferMetadata(AttentionMetadata):
 
 
 @dataclass
+class XqaMetadata(AttentionMetadata):
+    """A decode step on xqa: it reads the batch's block tables and lengths as they are."""
+
+
+@dataclass
 class MixedMetadata(AttentionMetadata):
     """A step with decodes and prefill chunks: its leading one-token rows (the decodes: the scheduler
     puts them first) run the decode kernel, the rest the prefill wrapper. One prefill launch over both
@@ -157,17 +189,30 @@ class FlashInferAttentionBackend(AttentionBackend):
         # The decode wrapper's plan lives beside the prefill wrapper's: a mixed step plans both.
         self.decode_int_workspace = torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.prefill_kernels = "fa2" if self.kv_dtype == FP8_KV_DTYPE else "auto"  # see the module docstring
-        self.decode_kernel = decode_kernel or default_decode_kernel(self.kv_dtype)
+        self.decode_kernel = decode_kernel or default_decode_kernel(
+            self.kv_dtype, self.device, kv_cache.block_size, spec.head_dim
+        )
         if self.decode_kernel not in DECODE_KERNELS:
             raise ValueError(f"decode kernel {self.decode_kernel!r} is not one of {DECODE_KERNELS}")
         if self.decode_kernel == "tensor_cores" and self.kv_dtype != FP8_KV_DTYPE:
             # Untested (its FA2 16-bit kernels take ~95 s of nvcc) and never the faster choice here.
             raise ValueError("decode kernel 'tensor_cores' serves an FP8 cache; a 16-bit cache decodes on "
                              "'triton' (0.99 of the copy bandwidth) or 'cuda_cores'")
+        if self.decode_kernel == "xqa":
+            problem = xqa_unsupported(self.kv_dtype, self.device, kv_cache.block_size, spec.head_dim)
+            if problem is not None:
+                raise ValueError(problem)
         # Decode steps on the Triton kernel are planned, captured and run by a triton backend on this cache.
         self.triton = TritonAttentionBackend(kv_cache, spec) if self.decode_kernel == "triton" else None
+        self.xqa_workspace = (
+            torch.zeros(XQA_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+            if self.decode_kernel == "xqa"
+            else None
+        )
         self.decode_wrapper = (
-            None if self.triton is not None else self._share(self._decode_wrapper(), self.decode_int_workspace)
+            self._share(self._decode_wrapper(), self.decode_int_workspace)
+            if self.decode_kernel in ("tensor_cores", "cuda_cores")
+            else None
         )
         self.prefill_wrapper = self._share(
             self.fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=self.prefill_kernels)
@@ -220,6 +265,8 @@ class FlashInferAttentionBackend(AttentionBackend):
     def _plan_decode_rows(self, batch: AttentionBatch) -> AttentionMetadata:
         if self.triton is not None:
             return self.triton.plan(batch)
+        if self.xqa_workspace is not None:
+            return XqaMetadata(backend=self, batch=batch)
         self._plan_decode(self.decode_wrapper, batch)
         return FlashInferMetadata(backend=self, batch=batch, wrapper=self.decode_wrapper)
 
@@ -238,6 +285,8 @@ class FlashInferAttentionBackend(AttentionBackend):
     def capture_metadata(self, batch: AttentionBatch) -> AttentionMetadata:
         if self.triton is not None:
             return self.triton.capture_metadata(batch)
+        if self.xqa_workspace is not None:
+            return XqaMetadata(backend=self, batch=batch)
         size, width = batch.num_seqs, batch.block_tables.shape[1]
         if self._graph_indices is None or self._graph_indices.numel() < size * width:
             # Sized for the first (largest) capture: every later, smaller size fits in it.
@@ -254,8 +303,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         return meta
 
     def prepare_replay(self, meta: AttentionMetadata, batch: AttentionBatch) -> None:
-        if isinstance(meta, TritonAttentionMetadata):
-            return  # its kernels read the persistent buffers directly
+        if isinstance(meta, (TritonAttentionMetadata, XqaMetadata)):
+            return  # their kernels read the persistent buffers directly
         assert isinstance(meta, FlashInferMetadata)
         self._plan_decode(meta.wrapper, batch)
 
@@ -285,14 +334,30 @@ class FlashInferAttentionBackend(AttentionBackend):
             self.attend(layer_idx, q[:n], meta.decode, out[:n])
             self.attend(layer_idx, q[n:], meta.prefill, out[n:])
             return out
-        assert isinstance(meta, FlashInferMetadata)
         k_cache, v_cache = self.kv_cache.k[layer_idx], self.kv_cache.v[layer_idx]
         k_scale, v_scale = self.kv_cache.k_scales[layer_idx], self.kv_cache.v_scales[layer_idx]
+        if isinstance(meta, XqaMetadata):
+            return self._xqa(q, k_cache, v_cache, k_scale, v_scale, meta.batch, out)
+        assert isinstance(meta, FlashInferMetadata)
         # 1.0 for a 16-bit cache: flashinfer then leaves the softmax scale and the output as they are.
         # Without out, the wrapper would zero a fresh output first.
         return meta.wrapper.run(
             q.contiguous(), (k_cache, v_cache), k_scale=k_scale, v_scale=v_scale, out=out
         )
+
+
+    def _xqa(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float,
+             v_scale: float, batch: AttentionBatch, out: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+        """xqa over the batch: its page table rows must be contiguous, its lengths uint32 (the same bits
+        as our int32 ones); bmm1 scales q . k (softmax scale times k_scale), bmm2 the output (v_scale)."""
+        from tokenspeed_kernels.common import pdl_enabled
+
+        tables = batch.block_tables.contiguous()
+        return self.fi.decode.xqa_batch_decode_with_kv_cache(
+            q.contiguous(), (k_cache, v_cache), self.xqa_workspace, tables,
+            batch.seq_lens_tensor.view(torch.uint32), tables.shape[1] * batch.block_size,
+            bmm1_scale=self.spec.scale * k_scale, bmm2_scale=v_scale, out=out, enable_pdl=pdl_enabled(),
+        )  # fmt: skip
 
 
 def kernels_unavailable(spec: AttentionSpec, kv_dtype: torch.dtype, device: torch.device) -> str | None:

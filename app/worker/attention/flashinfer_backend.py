@@ -18,9 +18,11 @@ Decode steps run the kernel that reads the cache fastest (scripts/gpu/bench_deco
 H200, 384 sequences of 1500 tokens, share of the copy bandwidth):
 - a 16-bit cache: our Triton split-K decode kernel (the triton backend's decode path, 0.99), ahead
   of flashinfer's CUDA-core decode kernel (0.69) and its tensor-core path on FA3 (0.21);
-- an FP8 cache: flashinfer's tensor-core path, i.e. its FA2 prefill kernels with one query row per
+- an FP8 cache on Hopper: "xqa" below (0.93 at 384 and 512 x 1500), at the price of a query rounded
+  to FP8 (3.7e-2 relative error against the torch backend on the same cache, 4.9e-3 for FA2);
+  elsewhere flashinfer's tensor-core path, i.e. its FA2 prefill kernels with one query row per
   sequence (0.56), ahead of Triton (0.52 with float16 operands; the offline 1000 x 1000 run ties) and the
-  CUDA-core kernel (0.28).
+  CUDA-core kernel (0.28). `--attention-backend triton` is the precise choice for an FP8 cache.
 `decode_kernel` ("triton", "tensor_cores", "cuda_cores", "xqa") overrides the choice; "tensor_cores" is
 refused for a 16-bit cache (never the faster there, and its FA2 16-bit kernels are not built or tested).
 "xqa" is TensorRT-LLM's Hopper decode kernel as flashinfer ships it (flashinfer.decode.

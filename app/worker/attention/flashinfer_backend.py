@@ -26,8 +26,8 @@ H200, 384 sequences of 1500 tokens, share of the copy bandwidth):
 `decode_kernel` ("triton", "tensor_cores", "cuda_cores", "xqa") overrides the choice; "tensor_cores" is
 refused for a 16-bit cache (never the faster there, and its FA2 16-bit kernels are not built or tested).
 "xqa" is TensorRT-LLM's Hopper decode kernel as flashinfer ships it (flashinfer.decode.
-xqa_batch_decode_with_kv_cache): FP8 tensor-core math on an FP8 cache (the query is rounded to FP8
-too), compute capability 9.x, blocks of 16 to 128 tokens. It reads the block tables and lengths
+xqa_batch_decode_with_kv_cache): compute capability 9.x, blocks of 16 to 128 tokens; FP8 tensor-core
+math on an FP8 cache (the query is rounded to FP8 too), its generic kernel on a 16-bit one. It reads the block tables and lengths
 directly (no plan), so its CUDA graphs need no re-planning.
 
 FP8 KV cache (float8_e4m3fn codes, per-layer scales): the wrappers are planned with
@@ -91,8 +91,8 @@ def default_decode_kernel(kv_dtype: torch.dtype, device: torch.device, block_siz
 def xqa_unsupported(kv_dtype: torch.dtype, device: torch.device, block_size: int, head_dim: int) -> str | None:
     """Why the xqa decode kernel cannot read this cache here (None: it can)."""
     capability = torch.cuda.get_device_capability(device)
-    if kv_dtype != FP8_KV_DTYPE or capability[0] != 9:
-        return f"decode kernel 'xqa' serves an FP8 cache on compute capability 9.x (Hopper), not a {kv_dtype} cache on {capability}"
+    if capability[0] != 9:
+        return f"decode kernel 'xqa' runs on compute capability 9.x (Hopper), not {capability}"
     if block_size not in XQA_BLOCK_SIZES or head_dim % 16 or head_dim > 256:
         return (
             f"decode kernel 'xqa' needs --block-size in {XQA_BLOCK_SIZES} and a head size that is a "

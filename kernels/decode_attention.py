@@ -3,9 +3,10 @@
 Kernel 1, grid (batch, kv_heads, num_splits): a program takes one KV head with its whole group of
 query heads (GQA: the K/V rows are read once for the group) and one contiguous piece of the context;
 it writes a normalised partial output and its log-sum-exp. Kernel 2, grid (batch, q_heads), merges
-the pieces. With one piece (large batches) kernel 1 writes the output itself and kernel 2 is skipped. The split length is derived from each sequence's length on the device, so the grid
-depends only on (batch, num_splits): the launch is CUDA-graph safe. Empty pieces (short sequences)
-write lse = -inf and weigh nothing in the merge.
+the pieces; with one piece (large batches) kernel 1 writes the output itself and kernel 2 is not
+launched. The split length is derived from each sequence's length on the device, so the grid depends
+only on (batch, num_splits): the launch is CUDA-graph safe. Empty pieces (short sequences) write
+lse = -inf and weigh nothing in the merge.
 
 Layouts: q [B, Hq, D] (head and dim strides may be views); caches [num_blocks, page, Hkv, D]
 contiguous; block_tables [B, W] int32; seq_lens [B] int32, each >= 1 (the context includes the new

@@ -27,8 +27,9 @@ H200, 384 sequences of 1500 tokens, share of the copy bandwidth):
 refused for a 16-bit cache (never the faster there, and its FA2 16-bit kernels are not built or tested).
 "xqa" is TensorRT-LLM's Hopper decode kernel as flashinfer ships it (flashinfer.decode.
 xqa_batch_decode_with_kv_cache): compute capability 9.x, blocks of 16 to 128 tokens; FP8 tensor-core
-math on an FP8 cache (the query is rounded to FP8 too), its generic kernel on a 16-bit one. It reads the block tables and lengths
-directly (no plan), so its CUDA graphs need no re-planning.
+math on an FP8 cache (the query is rounded to FP8 too), its generic kernel on a 16-bit one (slower
+than Triton's there at every measured batch). It reads the block tables and lengths directly (no
+plan), so its CUDA graphs need no re-planning.
 
 FP8 KV cache (float8_e4m3fn codes, per-layer scales): the wrappers are planned with
 kv_data_type=float8_e4m3fn and the query dtype (AttentionSpec.q_dtype, which must then be set: the
@@ -83,13 +84,13 @@ def default_decode_kernel(kv_dtype: torch.dtype, device: torch.device, block_siz
     """The fastest decode kernel that runs this cache here (see the module docstring)."""
     if kv_dtype != FP8_KV_DTYPE:
         return "triton"
-    if xqa_unsupported(kv_dtype, device, block_size, head_dim) is None:
+    if xqa_unsupported(device, block_size, head_dim) is None:
         return "xqa"
     return "tensor_cores"
 
 
-def xqa_unsupported(kv_dtype: torch.dtype, device: torch.device, block_size: int, head_dim: int) -> str | None:
-    """Why the xqa decode kernel cannot read this cache here (None: it can)."""
+def xqa_unsupported(device: torch.device, block_size: int, head_dim: int) -> str | None:
+    """Why the xqa decode kernel cannot read a cache of these blocks and heads here (None: it can)."""
     capability = torch.cuda.get_device_capability(device)
     if capability[0] != 9:
         return f"decode kernel 'xqa' runs on compute capability 9.x (Hopper), not {capability}"
@@ -201,7 +202,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             raise ValueError("decode kernel 'tensor_cores' serves an FP8 cache; a 16-bit cache decodes on "
                              "'triton' (0.99 of the copy bandwidth) or 'cuda_cores'")
         if self.decode_kernel == "xqa":
-            problem = xqa_unsupported(self.kv_dtype, self.device, kv_cache.block_size, spec.head_dim)
+            problem = xqa_unsupported(self.device, kv_cache.block_size, spec.head_dim)
             if problem is not None:
                 raise ValueError(problem)
         # Decode steps on the Triton kernel are planned, captured and run by a triton backend on this cache.
@@ -343,10 +344,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         assert isinstance(meta, FlashInferMetadata)
         # 1.0 for a 16-bit cache: flashinfer then leaves the softmax scale and the output as they are.
         # Without out, the wrapper would zero a fresh output first.
-        return meta.wrapper.run(
-            q.contiguous(), (k_cache, v_cache), k_scale=k_scale, v_scale=v_scale, out=out
-        )
-
+        return meta.wrapper.run(q.contiguous(), (k_cache, v_cache), k_scale=k_scale, v_scale=v_scale, out=out)
 
     def _xqa(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float,
              v_scale: float, batch: AttentionBatch, out: torch.Tensor | None) -> torch.Tensor:  # fmt: skip

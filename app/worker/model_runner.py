@@ -244,7 +244,7 @@ class ModelRunner:
         }
         logger.info(
             "start-up: weights %.2f GiB, CUDA graphs %.2f GiB, KV pool %d tokens (%d blocks of %d, %.2f GiB); "
-            "max concurrency at max_model_len=%d: %.2fx; attention backend %s",
+            "max concurrency at max_model_len=%d: %.2fx; attention backend %s (decode kernel %s)",
             self.weights_bytes / GIB,
             self._graph_bytes() / GIB,
             self.pool.tokens,
@@ -254,6 +254,7 @@ class ModelRunner:
             self.max_model_len,
             self.pool.max_concurrency,
             self.attention_backend_name,
+            self.attention.decode_kernel_name(),
         )
 
     # ------------------------------------------------------------------ start-up
@@ -589,6 +590,7 @@ class ModelRunner:
                 "device": str(self.device),
                 "architecture": type(self.model).__name__,
                 "attention_backend": self.attention.name,
+                "decode_kernel": self.attention.decode_kernel_name(),
                 "cuda_graph_sizes": list(self.graphs.sizes) if self.graphs is not None else [],
                 "piecewise_graph_sizes": list(self.pieces.sizes) if self.pieces is not None else [],
                 "pdl": self.pdl,

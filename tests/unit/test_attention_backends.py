@@ -49,6 +49,23 @@ def test_flashinfer_backend_refuses_the_cpu_and_float32() -> None:
         FlashInferAttentionBackend(cache, AttentionSpec(4, 2, 16, 0.25))
 
 
+def test_flashinfer_decode_kernel_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton for a 16-bit cache; for an FP8 one xqa where it runs (Hopper, blocks of 16 to 128 tokens,
+    head sizes a multiple of 16 up to 256), else flashinfer's FA2 tensor-core decode."""
+    import app.worker.attention.flashinfer_backend as fi
+
+    fp8 = torch.float8_e4m3fn
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert fi.default_decode_kernel(torch.bfloat16, CUDA, 16, 128) == "triton"
+    assert fi.default_decode_kernel(fp8, CUDA, 16, 128) == "xqa"
+    assert fi.default_decode_kernel(fp8, CUDA, 256, 128) == "tensor_cores"  # a block xqa is not built for
+    assert "--block-size" in (fi.xqa_unsupported(CUDA, 8, 128) or "")
+    assert fi.xqa_unsupported(CUDA, 128, 72) is not None  # not a multiple of 16
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert fi.default_decode_kernel(fp8, CUDA, 16, 128) == "tensor_cores"
+    assert "compute capability 9.x" in (fi.xqa_unsupported(CUDA, 16, 128) or "")
+
+
 def test_capture_sizes() -> None:
     assert capture_sizes(None, None, 160) == [1, 2, 4, 8, *range(16, 161, 8)]
     assert capture_sizes(None, None, 1000) == [1, 2, 4, 8, *range(16, 257, 8), *range(272, 513, 16)]

@@ -318,6 +318,7 @@ def test_ready_message(runner: ModelRunner) -> None:
     assert ready.vocab_size == runner.config.vocab_size and ready.eos_token_ids == [2]
     assert ready.info["kv_pool_tokens"] == 4096 and ready.info["dtype"] == "float32"
     assert ready.info["device"] == "cpu" and ready.info["weights_gb"] >= 0
+    assert ready.info["attention_backend"] == ready.info["decode_kernel"] == "torch"
     assert {"load_seconds", "max_concurrency"} <= set(ready.info)
 
 

@@ -163,6 +163,10 @@ class AttentionBackend(ABC):
         """q [T, Hq, D], k and v [T, Hkv, D] for the step's new tokens -> output [T, Hq, D]. rope: the
         step's rotary embedding, applied to q and k first (None: they come rotated, or the model has none)."""
 
+    def decode_kernel_name(self) -> str:
+        """What runs decode steps (for the start-up log): the backend's own kernels unless it says."""
+        return self.name
+
     def attend(
         self, layer_idx: int, q: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor | None = None
     ) -> torch.Tensor:

@@ -222,6 +222,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         )
         self._graph_indices: torch.Tensor | None = None
 
+    def decode_kernel_name(self) -> str:
+        return self.decode_kernel
+
     def _decode_wrapper(self, **graph_buffers: Any) -> Any:
         """A batch-decode wrapper: on tensor cores (flashinfer's FA2 prefill kernels, one query row per
         sequence) or the CUDA-core decode kernel."""

@@ -281,7 +281,7 @@ class ModelRunner:
         build them); else triton, said in the log. An explicit --attention-backend flashinfer fails instead."""
         from app.worker.attention.flashinfer_backend import kernels_unavailable
 
-        problem = kernels_unavailable(self.model.attention_spec, self.kv_dtype, self.device)
+        problem = kernels_unavailable(self.model.attention_spec, self.kv_dtype, self.device, self.block_size)
         if not self.tp.failed_ranks(problem is None):  # TP ranks agree on one backend
             return "flashinfer"
         logger.warning("flashinfer's attention kernels cannot be loaded or built on every rank (here: %s): "

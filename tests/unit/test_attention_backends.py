@@ -66,6 +66,18 @@ def test_flashinfer_decode_kernel_choice(monkeypatch: pytest.MonkeyPatch) -> Non
     assert "compute capability 9.x" in (fi.xqa_unsupported(CUDA, 16, 128) or "")
 
 
+@pytest.mark.parametrize("block_size", [1, 8, 16, 32, 256])
+def test_flashinfer_probe_covers_its_sequences_at_any_block_size(block_size: int) -> None:
+    """The start-up probe runs at the runner's block size (xqa builds a kernel per block size); its
+    block tables must cover its sequences whatever that size."""
+    from app.worker.attention.flashinfer_backend import PROBE_SEQ_LENS, probe_batches
+
+    num_blocks, (decode, prefill) = probe_batches(block_size, CPU)
+    assert num_blocks * block_size >= sum(PROBE_SEQ_LENS)
+    assert decode.num_tokens == 2 and prefill.num_tokens == 23
+    assert int(decode.block_tables.max()) < num_blocks and decode.block_size == block_size
+
+
 def test_capture_sizes() -> None:
     assert capture_sizes(None, None, 160) == [1, 2, 4, 8, *range(16, 161, 8)]
     assert capture_sizes(None, None, 1000) == [1, 2, 4, 8, *range(16, 257, 8), *range(272, 513, 16)]

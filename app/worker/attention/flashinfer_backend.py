@@ -363,21 +363,35 @@ class FlashInferAttentionBackend(AttentionBackend):
         )  # fmt: skip
 
 
-def kernels_unavailable(spec: AttentionSpec, kv_dtype: torch.dtype, device: torch.device) -> str | None:
+PROBE_SEQ_LENS = (20, 70)  # the start-up probe's two sequences
+
+
+def probe_batches(block_size: int, device: torch.device) -> tuple[int, list[AttentionBatch]]:
+    """The start-up probe's cache size in blocks and its steps over two sequences of PROBE_SEQ_LENS
+    tokens in blocks of block_size: a decode, then prefill chunks (a whole prompt and an extend)."""
+    width = -(-max(PROBE_SEQ_LENS) // block_size)
+    table = torch.arange(2 * width, dtype=torch.int32, device=device).view(2, width)
+    steps = ([1, 1], [20, 3])
+    return 2 * width, [build_attention_batch(table, list(q), list(PROBE_SEQ_LENS), block_size) for q in steps]
+
+
+def kernels_unavailable(
+    spec: AttentionSpec, kv_dtype: torch.dtype, device: torch.device, block_size: int = 16
+) -> str | None:
     """Why flashinfer cannot run this model's attention here (None: it can). Runs a decode and a prefill
-    step, CUDA-graph decode included, on a two-sequence cache: that loads flashinfer's JIT kernels from
-    its cache (FLASHINFER_WORKSPACE_BASE), or builds them, which needs nvcc (the runtime image has none)."""
+    step, CUDA-graph decode included, on a two-sequence cache of the runner's block size (xqa builds a
+    kernel per block size): that loads flashinfer's JIT kernels from its cache
+    (FLASHINFER_WORKSPACE_BASE), or builds them, which needs nvcc (the runtime image has none)."""
     try:
-        cache = KVCache(KVCacheSpec(1, spec.num_kv_heads, spec.head_dim, kv_dtype), 16, 16, device)
+        num_blocks, steps = probe_batches(block_size, device)
+        cache = KVCache(KVCacheSpec(1, spec.num_kv_heads, spec.head_dim, kv_dtype), num_blocks, block_size, device)
         backend = FlashInferAttentionBackend(cache, spec)
-        table = torch.arange(16, dtype=torch.int32, device=device).view(2, 8)
         query_dtype = spec.q_dtype or kv_dtype
-        for query_lens, seq_lens in (([1, 1], [20, 70]), ([20, 3], [20, 70])):
-            batch = build_attention_batch(table, query_lens, seq_lens, 16)
+        for batch in steps:
             q = torch.randn(batch.num_tokens, spec.num_heads, spec.head_dim, device=device, dtype=query_dtype)
             k = torch.randn(batch.num_tokens, spec.num_kv_heads, spec.head_dim, device=device, dtype=query_dtype)
             backend.forward(0, q, k, k.clone(), backend.plan(batch))
-        meta = backend.capture_metadata(build_attention_batch(table, [1, 1], [20, 70], 16))
+        meta = backend.capture_metadata(steps[0])
         backend.forward(0, q[:2], k[:2], k[:2].clone(), meta)
         torch.cuda.synchronize(device)
     except Exception as exc:  # a JIT build failure is a subprocess or RuntimeError from flashinfer

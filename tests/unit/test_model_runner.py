@@ -395,9 +395,11 @@ def test_default_flashinfer_falls_back_to_triton_when_its_kernels_cannot_load(mo
     from app.worker.parallel import SINGLE
 
     runner = SimpleNamespace(model=SimpleNamespace(attention_spec=None), kv_dtype=torch.bfloat16, device=CPU,
-                             tp=SINGLE)
-    monkeypatch.setattr(flashinfer_backend, "kernels_unavailable", lambda *_: None)
+                             tp=SINGLE, block_size=32)
+    probed = []
+    monkeypatch.setattr(flashinfer_backend, "kernels_unavailable", lambda *args: probed.append(args[3]))
     assert ModelRunner._flashinfer_or_triton(runner) == "flashinfer"
+    assert probed == [32]  # the probe runs at the runner's block size
     monkeypatch.setattr(flashinfer_backend, "kernels_unavailable", lambda *_: "RuntimeError: nvcc not found")
     assert ModelRunner._flashinfer_or_triton(runner) == "triton"
     assert "nvcc not found" in caplog.text and "using the triton backend" in caplog.text

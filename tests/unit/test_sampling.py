@@ -248,6 +248,27 @@ def test_bad_rows_are_reported(device: torch.device) -> None:
     assert out.token_ids[5].item() == logits[5].argmax().item()
 
 
+def test_plain_greedy_steps_skip_the_logit_processing(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """All greedy, nothing to process, no logprobs: the argmax of the raw logits, bad rows still reported
+    and output counted (min_new_tokens reads the count); one biased row brings the processing back."""
+    processed = []
+    real = Sampler._process
+    monkeypatch.setattr(Sampler, "_process", lambda self, *a: processed.append(1) or real(self, *a))
+    sampler = make(device, vocab=8, slots=4)
+    for slot in range(3):
+        sampler.add_seq(slot, f"r{slot}", SamplingParams(temperature=0.0), [], [])
+    logits = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    logits[1, 2] = float("nan")
+    for _ in range(2):
+        out = sampler.sample(logits.to(device, torch.bfloat16), [0, 1, 2])
+        assert out.bad_rows == [1]
+        assert out.token_ids[[0, 2]].tolist() == logits[[0, 2]].to(torch.bfloat16).float().argmax(-1).tolist()
+    assert processed == [] and sampler._table.num_output[:3].tolist() == [2, 2, 2]
+    sampler.add_seq(3, "biased", SamplingParams(temperature=0.0, logit_bias={5: 100.0}), [], [])
+    out = sampler.sample(torch.zeros(4, 8, device=device), [0, 1, 2, 3])
+    assert processed == [1] and out.token_ids[3].item() == 5
+
+
 def test_sort_only_when_a_row_truncates(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
     real = torch_sampler_module.apply_top_k_top_p

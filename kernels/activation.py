@@ -2,6 +2,12 @@
 
 Rounded as torch rounds F.silu(gate) * up in the activation dtype: silu in float32, cast, then the
 product in that dtype.
+
+silu_and_mul_fp8 also quantizes the products for the FP8 down projection: per-row e4m3 codes and
+float32 scales, bit for bit fp8_quant.quantize_rows(silu_and_mul(x)), in one launch. The scale needs
+the row's amax before any code is written, so one program takes a whole row: held in registers when it
+fits (fp8_quant.row_plan: up to MAX_ROW_IN_REGISTERS products, the 8B model's 14336 included), else
+two passes over it in pieces (products and amax, then the products again and their codes).
 """
 
 from __future__ import annotations
@@ -11,28 +17,77 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .common import pdl_options, wait_for_predecessor
+from .common import FP8_DTYPE, pdl_options, wait_for_predecessor
+from .fp8_quant import quantize_row_in_registers, row_plan, row_scale, store_codes
 
 BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+def _silu_mul(x_row, offs, mask, n_cols):
+    """SiLU(gate) * up at offs of a gate_up row, in its dtype (masked lanes 0)."""
+    gate = tl.load(x_row + offs, mask=mask, other=0.0)
+    up = tl.load(x_row + n_cols + offs, mask=mask, other=0.0)
+    g32 = gate.to(tl.float32)
+    silu = (g32 / (1.0 + tl.exp(-g32))).to(gate.dtype)
+    return silu * up
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
+):
     wait_for_predecessor(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
-    gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    up = tl.load(x_ptr + row * stride_x + n_cols + offs, mask=mask, other=0.0)
-    g32 = gate.to(tl.float32)
-    silu = (g32 / (1.0 + tl.exp(-g32))).to(gate.dtype)
-    tl.store(out_ptr + row * stride_o + offs, (silu * up).to(out_ptr.dtype.element_ty), mask=mask)
+    y = _silu_mul(x_ptr + row * stride_x, offs, mask, n_cols)
+    tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_fp8_kernel(
+    x_ptr,
+    codes_ptr,
+    scales_ptr,
+    stride_x,
+    stride_c,
+    n_cols,
+    BLOCK: tl.constexpr,
+    ONE_PASS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    wait_for_predecessor(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    codes_row = codes_ptr + row * stride_c
+    if ONE_PASS:  # BLOCK covers the row
+        offs = tl.arange(0, BLOCK)
+        y = _silu_mul(x_row, offs, offs < n_cols, n_cols)
+        quantize_row_in_registers(y, codes_row + offs, offs < n_cols, scales_ptr + row)
+    else:  # the products twice: cheaper than a round trip through memory
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            amax = tl.maximum(amax, tl.abs(_silu_mul(x_row, offs, offs < n_cols, n_cols).to(tl.float32)))
+        scale = row_scale(tl.max(amax, axis=0))
+        tl.store(scales_ptr + row, scale)
+        for start in range(0, n_cols, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            store_codes(_silu_mul(x_row, offs, offs < n_cols, n_cols), scale, codes_row + offs, offs < n_cols)
+
+
+def _gate_up_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2I] as rows [T, 2I] (a view when it can be)."""
+    if x.stride(-1) != 1:
+        raise ValueError("silu_and_mul needs rows contiguous in their last dimension")
+    if x.shape[-1] % 2:
+        raise ValueError(f"silu_and_mul needs [..., 2I] gate_up rows, got width {x.shape[-1]}")
+    return x.reshape(-1, x.shape[-1])
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    if x.stride(-1) != 1:
-        raise ValueError("silu_and_mul needs rows contiguous in their last dimension")
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = _gate_up_rows(x)
     n = x2.shape[1] // 2
     out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
@@ -40,6 +95,22 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
             x2, out, x2.stride(0), out.stride(0), n, BLOCK=BLOCK, **pdl_options()
         )
     return out.view(*x.shape[:-1], n)
+
+
+def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., 2I] -> (FP8 codes [M, I], float32 scales [M, 1]), M the number of rows of x:
+    quantize_rows(silu_and_mul(x)) flattened to rows, in one launch."""
+    x2 = _gate_up_rows(x)
+    n = x2.shape[1] // 2
+    codes = torch.empty(x2.shape[0], n, dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty(x2.shape[0], 1, dtype=torch.float32, device=x.device)
+    if x2.shape[0]:
+        plan = row_plan(n)
+        _silu_and_mul_fp8_kernel[(x2.shape[0],)](
+            x2, codes, scales, x2.stride(0), codes.stride(0), n,
+            BLOCK=plan.block, ONE_PASS=plan.one_pass, num_warps=plan.num_warps, **pdl_options(),
+        )  # fmt: skip
+    return codes, scales
 
 
 def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:

@@ -6,22 +6,53 @@ quantize_rows(x) gives what torch's `scale = max(amax(|x|), 1e-12) / 448; (x / s
 bit for bit, in one launch instead of about six (abs, amax, clamp, divide, clamp, cast); at 512 rows
 the unfused ops were ~18% of the 8B model's FP8 decode step on the H200.
 
-The kernels round to the e4m3 grid themselves (to nearest, ties to even) before the cast, so the cast
-only sees representable values: on the GPU the cast would round the same way, but Triton's
-interpreter (the CPU tests) rounds half up and drops the carry into the exponent.
+The cast to e4m3 rounds to nearest, ties to even, on the GPU, as torch's does. Under Triton's
+interpreter (the CPU tests), whose cast rounds half up, the kernels round to the e4m3 grid themselves
+first (_round_to_e4m3), so both give the codes torch gives.
+
+A row of up to MAX_ROW_IN_REGISTERS elements is read once and held in registers (amax and codes from
+the same values, warps chosen by its width: row_plan); a wider one is read twice in LOOP_BLOCK pieces
+(amax, then codes). The kernels that produce activations quantize their own rows with the same jitted
+helpers (row_scale, quantize_row_in_registers, store_codes): rmsnorm.rms_norm_fp8 / add_rms_norm_fp8 and
+activation.silu_and_mul_fp8 give quantize_rows' codes and scales of their unfused output, bit for bit.
 """
 
 from __future__ import annotations
+
+import os
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from .common import FP8_DTYPE, check_last_dim_contiguous
+from .common import FP8_DTYPE, check_last_dim_contiguous, next_power_of_2
 
 FP8_MAX = 448.0  # the largest finite e4m3 value; the cast alone does not saturate on the GPU
 MIN_AMAX = 1e-12  # an all-zero row still gets a positive scale
-BLOCK = 1024
+# The widest row a program holds in registers: 16384 elements at 16 warps are 32 a thread (the 8B
+# model's 14336-wide MLP rows fit). Read at each launch, so tests can lower it to run the loop.
+MAX_ROW_IN_REGISTERS = 16384
+LOOP_BLOCK = 1024  # the piece a wider row is read in, twice
+LOOP_WARPS = 4
+
+
+class RowPlan(NamedTuple):
+    """How a one-program-per-row kernel covers its row: BLOCK, ONE_PASS and num_warps."""
+
+    block: int
+    one_pass: bool
+    num_warps: int
+
+
+def row_plan(k: int) -> RowPlan:
+    """The whole row in registers when it fits (one read of it), else two passes over LOOP_BLOCK pieces.
+    Warps grow with the row, about 16 elements a thread up to 16 warps, so that a program has enough
+    loads in flight: at a few hundred rows there are only a few programs an SM."""
+    if k > MAX_ROW_IN_REGISTERS:
+        return RowPlan(LOOP_BLOCK, False, LOOP_WARPS)
+    block = next_power_of_2(k)
+    return RowPlan(block, True, min(16, max(4, block // 512)))
 
 
 @triton.jit
@@ -42,28 +73,64 @@ def _round_to_e4m3(x):
     return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
+# Under Triton's interpreter (the CPU tests) the cast to e4m3 rounds half up and drops the carry into the
+# exponent, so values are put on the e4m3 grid first. On the GPU the cast (cvt.rn.satfinite) rounds to
+# nearest even itself, as torch's does: the same codes without the ~10 integer operations a value
+# (the FP8 KV write took twice the bf16 one's time with them; tests/gpu check the codes bit for bit).
+_ROUND_BEFORE_CAST = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+
 @triton.jit
 def _quantize_e4m3(x, scale):
-    y = tl.math.div_rn(x.to(tl.float32), scale)  # IEEE division, as torch's x / scale
-    return _round_to_e4m3(tl.minimum(tl.maximum(y, -448.0), 448.0))
+    """x / scale (IEEE division, as torch's) clamped to +-448, ready for the cast to e4m3."""
+    y = tl.minimum(tl.maximum(tl.math.div_rn(x.to(tl.float32), scale), -448.0), 448.0)
+    if _ROUND_BEFORE_CAST:
+        y = _round_to_e4m3(y)
+    return y
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, codes_ptr, scales_ptr, K, stride_x, stride_codes, BLOCK: tl.constexpr):
+def row_scale(amax):
+    """The scale of a row from its amax (float32): IEEE division, as torch's tensor division gives."""
+    return tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
+
+
+@triton.jit
+def store_codes(x, scale, codes_ptrs, mask):
+    tl.store(codes_ptrs, _quantize_e4m3(x, scale).to(codes_ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def quantize_row_in_registers(x, codes_ptrs, mask, scale_ptr):
+    """A whole row held in registers (x over a block, mask the row's lanes) -> its scale and codes stored.
+    The lanes past the row are left out of the amax whatever they hold."""
+    scale = row_scale(tl.max(tl.where(mask, tl.abs(x.to(tl.float32)), 0.0), axis=0))
+    tl.store(scale_ptr, scale)
+    store_codes(x, scale, codes_ptrs, mask)
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr, codes_ptr, scales_ptr, K, stride_x, stride_codes, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, K, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-12), 448.0)
-    tl.store(scales_ptr + row, scale)
-    for start in range(0, K, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
+    codes_row = codes_ptr + row * stride_codes
+    if ONE_PASS:  # BLOCK covers the row
+        offs = tl.arange(0, BLOCK)
         x = tl.load(x_row + offs, mask=offs < K, other=0.0)
-        codes = _quantize_e4m3(x, scale)
-        tl.store(codes_ptr + row * stride_codes + offs, codes.to(codes_ptr.dtype.element_ty), mask=offs < K)
+        quantize_row_in_registers(x, codes_row + offs, offs < K, scales_ptr + row)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, K, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = row_scale(tl.max(amax, axis=0))
+        tl.store(scales_ptr + row, scale)
+        for start in range(0, K, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            store_codes(tl.load(x_row + offs, mask=offs < K, other=0.0), scale, codes_row + offs, offs < K)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,8 +141,10 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
     scales = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
     if x.shape[0]:
+        plan = row_plan(x.shape[1])
         _quantize_rows_kernel[(x.shape[0],)](
-            x, codes, scales, x.shape[1], x.stride(0), codes.stride(0), BLOCK=min(BLOCK, triton.next_power_of_2(x.shape[1]))
+            x, codes, scales, x.shape[1], x.stride(0), codes.stride(0),
+            BLOCK=plan.block, ONE_PASS=plan.one_pass, num_warps=plan.num_warps,
         )  # fmt: skip
     return codes, scales
 

@@ -134,7 +134,7 @@ class DecodeGraphs(CapturedSizes):
         )
         self.block_tables = torch.full((largest, max_blocks), scratch_block, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(largest, dtype=torch.int32, device=device)
-        self.logits = torch.zeros(largest, vocab_size, dtype=torch.float32, device=device)
+        self.logits = torch.zeros(largest, vocab_size, dtype=model.dtype, device=device)
         self.graphs: dict[int, _Captured] = {}
         self.fence = PlanFence(device)
 
@@ -151,7 +151,7 @@ class DecodeGraphs(CapturedSizes):
 
     def _forward(self, size: int, meta: AttentionMetadata) -> None:
         hidden = self.model(self.input_ids[:size], self.positions[:size], meta)
-        self.logits[:size].copy_(self.model.compute_logits(hidden))
+        self.model.compute_logits(hidden, out=self.logits[:size])
 
     def capture(self) -> None:
         """Capture every size on the pad-row state (all rows on the scratch block)."""

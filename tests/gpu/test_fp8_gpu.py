@@ -19,6 +19,7 @@ from tokenspeed_kernels.gemv import gemv, gemv_reference
 
 from app.worker.attention import build_attention_batch, make_attention_backend
 from app.worker.kv_cache import KVCache
+from app.worker.layers import Linear
 from app.worker.model_runner import ModelRunner
 from app.worker.quantization import (
     EMULATED,
@@ -62,6 +63,30 @@ def test_fused_activation_quantization_gives_the_torch_codes(m: int, k: int, dty
     want_codes, want_scales = quantize_rows(x)
     assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
     assert torch.equal(scales, want_scales)
+
+
+@pytest.mark.parametrize(("m", "k"), [(17, 4096), (512, 4096), (8192, 4096), (300, 14336)])
+def test_norm_and_activation_quantize_their_output_as_quantize_rows_does(m: int, k: int) -> None:
+    """The fused FP8 outputs of RMSNorm (+ residual) and SiLU-and-mul in bf16, bit for bit the unfused
+    kernel followed by the per-token quantization."""
+    from tokenspeed_kernels import activation, rmsnorm
+
+    gen = torch.Generator(device=CUDA).manual_seed(m + k)
+    x = (torch.randn(m, k, generator=gen, device=CUDA) * torch.logspace(-2, 2, m, device=CUDA).view(m, 1)).bfloat16()
+    residual = torch.randn(m, k, generator=gen, device=CUDA).bfloat16()
+    weight = torch.rand(k, generator=gen, device=CUDA).bfloat16() + 0.5
+    gate_up = torch.randn(m, 2 * k, generator=gen, device=CUDA).bfloat16() * 3
+
+    def same(got: tuple[torch.Tensor, torch.Tensor], want: torch.Tensor) -> None:
+        codes, scales = quantize_rows(want)
+        assert torch.equal(got[0].view(torch.uint8), codes.view(torch.uint8)) and torch.equal(got[1], scales)
+
+    same(rmsnorm.rms_norm_fp8(x, weight, 1e-5), rmsnorm.rms_norm(x, weight, 1e-5))
+    fused_residual, unfused_residual = residual.clone(), residual.clone()
+    got = rmsnorm.add_rms_norm_fp8(x, fused_residual, weight, 1e-5)
+    same(got, rmsnorm.add_rms_norm(x, unfused_residual, weight, 1e-5))
+    assert torch.equal(fused_residual, unfused_residual)
+    same(activation.silu_and_mul_fp8(gate_up), activation.silu_and_mul(gate_up))
 
 
 @needs_scaled_mm
@@ -144,6 +169,20 @@ def test_fp8_model_on_cuda_uses_scaled_mm_and_matches_the_emulated_path(tmp_path
     for i, prompt in enumerate(prompts):
         sched.add(Request(f"r{i}", prompt, max_new=16, join_step=i))
     assert [len(v) for v in sched.run().values()] == [16, 16]
+
+
+@needs_scaled_mm
+def test_fp8_model_hands_quantized_rows_over_with_the_same_logits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Norms and SiLU-and-mul quantizing their outputs for the FP8 GEMMs (more than GEMV_MAX_ROWS rows)
+    give the logits of quantizing inside each linear, bit for bit."""
+    model_dir = build_tiny_model("llama", tmp_path, seed=5, initializer_range=0.1)
+    runner = ModelRunner(settings(model_dir, quantization="fp8", block_size=4), CUDA)
+    prompts = prompts_for(runner.vocab_size, [GEMV_MAX_ROWS + 1, 60])
+    handed_over = torch.cat(prefill_logits_cuda(runner, prompts))
+    monkeypatch.setattr(Linear, "takes_quantized_rows", lambda self, rows: False)
+    assert torch.equal(handed_over, torch.cat(prefill_logits_cuda(runner, prompts)))
 
 
 def prefill_logits_cuda(runner: ModelRunner, prompts: list[list[int]]) -> list[torch.Tensor]:

@@ -81,6 +81,7 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
         out.append((f"rms_norm {dtype}", lambda x=x, w=w: rmsnorm.rms_norm(x, w, 1e-6)))
         out.append((f"add_rms_norm {dtype}", lambda x=x, w=w: rmsnorm.add_rms_norm(x, x.clone(), w, 1e-6)))
         out.append((f"silu_and_mul {dtype}", lambda x=x: activation.silu_and_mul(x)))
+        out += fused_fp8_cases(dtype, rmsnorm, activation, fp8_quant)
         q = torch.zeros(tokens, heads, dim, dtype=dtype)
         k = torch.zeros(tokens, kv_heads, dim, dtype=dtype)
         cos = torch.zeros(64, dim // 2)
@@ -115,6 +116,23 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
     out.append(("flatten_block_tables", lambda: page_table.flatten_block_tables(table, indptr, 5)))
     out += gemv_cases(gemv)
     return out
+
+
+def fused_fp8_cases(  # noqa: ANN001
+    dtype: torch.dtype, rmsnorm, activation, fp8_quant
+) -> list[tuple[str, Callable[[], object]]]:
+    """The kernels that write per-row FP8 codes: rows held in registers, and (wider than
+    fp8_quant.MAX_ROW_IN_REGISTERS) the two-pass loop."""
+    wide = fp8_quant.MAX_ROW_IN_REGISTERS + 16
+    x, xw = torch.zeros(3, 256, dtype=dtype), torch.zeros(3, 2 * wide, dtype=dtype)
+    w = torch.zeros(256, dtype=dtype)
+    return [
+        (f"rms_norm_fp8 {dtype} -> float8", lambda: rmsnorm.rms_norm_fp8(x, w, 1e-6)),
+        (f"add_rms_norm_fp8 {dtype} -> float8", lambda: rmsnorm.add_rms_norm_fp8(x, x.clone(), w, 1e-6)),
+        (f"silu_and_mul_fp8 {dtype} -> float8", lambda: activation.silu_and_mul_fp8(x)),
+        (f"silu_and_mul_fp8 {dtype} -> float8, rows of {wide}", lambda: activation.silu_and_mul_fp8(xw)),
+        (f"quantize_rows {dtype} -> float8, rows of {wide}", lambda: fp8_quant.quantize_rows(xw[:, :wide])),
+    ]
 
 
 def gemv_cases(gemv) -> list[tuple[str, Callable[[], object]]]:  # noqa: ANN001

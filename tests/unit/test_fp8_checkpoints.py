@@ -27,10 +27,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from app.worker.layers import Linear
 from app.worker.loader import CheckpointError
 from app.worker.model_runner import ModelRunner
 from app.worker.quantization import FP8_DTYPE, QuantizationError, quantized_layers
-from app.worker.quantization.fp8 import REL_ERROR, SUBNORMAL_ERROR
+from app.worker.quantization.fp8 import REL_ERROR, SUBNORMAL_ERROR, Fp8Rows
 from tests.support.model_factory import (
     FP8_FORMATS,
     build_tiny_model,
@@ -378,3 +379,27 @@ def test_default_model_with_fp8_weights_still_knows_the_capital_of_france() -> N
     sched = ScriptedScheduler(runner, budget=64)
     sched.add(Request("p", prompt, max_new=8))
     assert tokenizer.decode(sched.run()["p"]).startswith("The capital of France is Paris.")
+
+
+def test_norms_and_activations_hand_their_output_over_quantized(
+    models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With dynamic activation scales every linear but o_proj gets its input as FP8 rows from the kernel
+    before it (RMSNorm, SiLU-and-mul), with the logits of quantizing inside the linear, bit for bit."""
+    model_dir = models["llama"]
+    runner = runner_for(model_dir, quantization="fp8")
+    names = {id(layer): name.split(".")[-1] for name, layer in quantized_layers(runner.model)}
+    inputs: dict[str, bool] = {}
+    project = Linear.project
+
+    def recording_project(self: Linear, x: Any, bias: Any) -> torch.Tensor:
+        inputs[names[id(self)]] = isinstance(x, Fp8Rows)
+        return project(self, x, bias)
+
+    monkeypatch.setattr(Linear, "project", recording_project)
+    handed_over = torch.cat(prefill_logits(runner.model, prompts(model_dir)))
+    assert inputs == {"qkv_proj": True, "o_proj": False, "gate_up_proj": True, "down_proj": True}
+    monkeypatch.setattr(Linear, "takes_quantized_rows", lambda self, rows: False)
+    quantized_inside = torch.cat(prefill_logits(runner.model, prompts(model_dir)))
+    assert not any(inputs.values())
+    assert torch.equal(handed_over, quantized_inside)

@@ -39,8 +39,9 @@ class VocabEmbedding(nn.Module):
 
 
 class LMHead(nn.Module):
-    """hidden -> float32 logits. With tied embeddings the weight is the embedding's parameter itself,
-    so the checkpoint's lm_head tensor (if any) is redundant."""
+    """hidden -> logits in the model dtype, as the matmul rounds them (a float32 copy would hold the same
+    values: samplers upcast where they compute). With tied embeddings the weight is the embedding's
+    parameter itself, so the checkpoint's lm_head tensor (if any) is redundant."""
 
     def __init__(
         self,
@@ -64,8 +65,10 @@ class LMHead(nn.Module):
                 held = max(0, min(vocab_size, first + rows) - first)
                 mark_tp_slices(self.weight, {None: TPSlice(0, first, held, vocab_size)})
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
-        if self.tp.size > 1:  # gathered in the model dtype (half the bytes), as TP=1 computes them
-            logits = self.tp.all_gather_last(logits)[..., : self.vocab_size]
-        return logits.float()
+    def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [B, H] -> logits [B, vocab], written into `out` when given (a CUDA graph's static
+        buffer: no copy of a [B, vocab] temporary)."""
+        if self.tp.size == 1:
+            return torch.mm(hidden, self.weight.t(), out=out)
+        logits = self.tp.all_gather_last(F.linear(hidden, self.weight))[..., : self.vocab_size]
+        return logits.contiguous() if out is None else out.copy_(logits)

@@ -1,6 +1,9 @@
 """RMSNorm, computed exactly as Hugging Face does (float32 statistics, weight applied in the input dtype).
 
-On CUDA one fused kernel does it, and add_forward also folds in the residual add before it."""
+On CUDA one fused kernel does it, and add_forward also folds in the residual add before it. With
+quantize=True the normed rows come out quantized per token for an FP8 linear (Fp8Rows: on CUDA in the
+same kernel, with the codes quantize_rows gives for the unquantized output).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import torch
 from torch import nn
 
 from app.worker.layers.fused import kernel_module, use_fused
+from app.worker.quantization.fp8 import Fp8Rows
 
 
 class RMSNorm(nn.Module):
@@ -16,18 +20,32 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, quantize: bool = False) -> torch.Tensor | Fp8Rows:
         if use_fused(x):
-            return kernel_module("rmsnorm").rms_norm(x, self.weight, self.eps)
-        return self._torch_forward(x)
+            kernels = kernel_module("rmsnorm")
+            if quantize:
+                return Fp8Rows(*kernels.rms_norm_fp8(x, self.weight, self.eps), self._out_dtype(x))
+            return kernels.rms_norm(x, self.weight, self.eps)
+        out = self._torch_forward(x)
+        return Fp8Rows.of(out) if quantize else out
 
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor, quantize: bool = False
+    ) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
         """(norm(x + residual), x + residual): the residual stream's add, then this norm. On CUDA the
         residual tensor is updated in place (the caller owns it)."""
         if use_fused(x):
-            return kernel_module("rmsnorm").add_rms_norm(x, residual, self.weight, self.eps), residual
+            kernels = kernel_module("rmsnorm")
+            if quantize:
+                codes, scales = kernels.add_rms_norm_fp8(x, residual, self.weight, self.eps)
+                return Fp8Rows(codes, scales, self._out_dtype(x)), residual
+            return kernels.add_rms_norm(x, residual, self.weight, self.eps), residual
         residual = x + residual
-        return self._torch_forward(residual), residual
+        out = self._torch_forward(residual)
+        return Fp8Rows.of(out) if quantize else out, residual
+
+    def _out_dtype(self, x: torch.Tensor) -> torch.dtype:
+        return torch.promote_types(self.weight.dtype, x.dtype)
 
     def _torch_forward(self, x: torch.Tensor) -> torch.Tensor:
         in_dtype = x.dtype

@@ -34,6 +34,7 @@ from app.worker.parallel import SINGLE, TensorParallel
 
 if TYPE_CHECKING:
     from app.worker.quantization import Fp8LinearMethod
+    from app.worker.quantization.fp8 import Fp8Rows
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ class DenseAttention(nn.Module):
             self.k_norm = RMSNorm(dims.head_dim, dims.eps, dtype)
         self.qk_norm = opts.qk_norm
 
-    def forward(self, hidden: torch.Tensor, rope: Rope, attn: AttentionMetadata) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor | Fp8Rows, rope: Rope, attn: AttentionMetadata) -> torch.Tensor:
         d = self.dims
         q, k, v = self.qkv_proj.forward_split(hidden)
         q = q.view(-1, d.num_heads, d.head_dim)
@@ -129,8 +130,9 @@ class DenseMLP(nn.Module):
         self.act = SiluAndMul()
         self.down_proj = RowParallelLinear(dims.intermediate, dims.hidden, opts.mlp_bias, dtype, opts.quant, opts.tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        return self.down_proj(self.act(gate_up, quantize=self.down_proj.takes_quantized_rows(gate_up.shape[0])))
 
 
 class DenseDecoderLayer(nn.Module):
@@ -148,12 +150,15 @@ class DenseDecoderLayer(nn.Module):
         first layer, whose input is the embedding). Returns this layer's MLP output and the stream
         before it. The adds are transformers' (in the activation dtype), each fused into the norm
         that follows it."""
+        rows = hidden.shape[0]
+        quantize = self.self_attn.qkv_proj.takes_quantized_rows(rows)  # FP8: the norm's output comes quantized
         if residual is None:
-            residual, normed = hidden, self.input_layernorm(hidden)
+            residual, normed = hidden, self.input_layernorm(hidden, quantize)
         else:
-            normed, residual = self.input_layernorm.add_forward(hidden, residual)
+            normed, residual = self.input_layernorm.add_forward(hidden, residual, quantize)
         attn_out = self.self_attn(normed, rope, attn)
-        normed, residual = self.post_attention_layernorm.add_forward(attn_out, residual)
+        quantize = self.mlp.gate_up_proj.takes_quantized_rows(rows)
+        normed, residual = self.post_attention_layernorm.add_forward(attn_out, residual, quantize)
         return self.mlp(normed), residual
 
 
@@ -233,9 +238,9 @@ class DenseCausalLM(nn.Module):
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
         return self.model(input_ids, positions, attn)
 
-    def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
-        """[B, hidden] (only the rows that sample) -> float32 logits [B, vocab]."""
-        return self.lm_head(hidden_rows)
+    def compute_logits(self, hidden_rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, hidden] (only the rows that sample) -> logits [B, vocab] in the model dtype (into out)."""
+        return self.lm_head(hidden_rows, out)
 
     # ---- checkpoint name mapping, used by the loader
 

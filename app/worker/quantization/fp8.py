@@ -12,6 +12,8 @@ nothing is clipped.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -41,6 +43,20 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     tokens of an activation."""
     scale = row_scales(x)
     return quantize(x, scale), scale
+
+
+class Fp8Rows(NamedTuple):
+    """Activations already quantized per row (token) for an FP8 linear, by the kernel that produced them
+    (RMSNorm, SiLU-and-mul): the codes and scales quantize_rows would give, and the activation dtype
+    the linear returns."""
+
+    codes: torch.Tensor  # [..., K] float8_e4m3fn
+    scales: torch.Tensor  # [..., 1] float32
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, x: torch.Tensor) -> Fp8Rows:
+        return cls(*quantize_rows(x), x.dtype)
 
 
 def dequantize(

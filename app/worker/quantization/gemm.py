@@ -23,7 +23,7 @@ import torch
 from tokenspeed_kernels.fp8_quant import quantize_rows as fused_quantize_rows
 from tokenspeed_kernels.gemv import MAX_M, gemv
 
-from app.worker.quantization.fp8 import FP8_DTYPE, quantize, quantize_rows
+from app.worker.quantization.fp8 import FP8_DTYPE, Fp8Rows, quantize, quantize_rows
 
 SCALED_MM_ROWWISE = "scaled_mm_rowwise"  # SM90+
 SCALED_MM_TENSORWISE = "scaled_mm_tensorwise"  # SM89
@@ -52,37 +52,52 @@ def quantize_input(x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[t
     return quantize(x, input_scale), scale
 
 
+def takes_quantized_rows(backend: str, rows: int, static_input: bool) -> bool:
+    """Whether fp8_linear quantizes an input of `rows` rows per token (W8A8 with dynamic scales): the
+    kernel that makes that input may then hand it over quantized (Fp8Rows), saving a launch and a pass
+    over the activations. Decode-sized batches on the GPU run the weight-only GEMV instead."""
+    if static_input:
+        return False
+    return backend == EMULATED or rows > GEMV_MAX_ROWS
+
+
 def fp8_linear(
-    x: torch.Tensor,
+    x: torch.Tensor | Fp8Rows,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     input_scale: torch.Tensor | None,
     bias: torch.Tensor | None,
     backend: str,
 ) -> torch.Tensor:
-    """x [..., K] in the model dtype, weight [N, K] FP8, weight_scale [1, N] float32 -> [..., N]."""
+    """x [..., K] in the model dtype (or already quantized per token: Fp8Rows), weight [N, K] FP8,
+    weight_scale [1, N] float32 -> [..., N]."""
     if weight.dtype != FP8_DTYPE:
         raise TypeError(f"fp8_linear needs {FP8_DTYPE} weights, got {weight.dtype}")
-    rows = x.reshape(-1, x.shape[-1])
-    if backend in (SCALED_MM_ROWWISE, SCALED_MM_TENSORWISE) and rows.shape[0] <= GEMV_MAX_ROWS:
-        y = _weight_only(rows, weight, weight_scale)
+    if isinstance(x, Fp8Rows):
+        lead, k = x.codes.shape[:-1], x.codes.shape[-1]
+        y = _product(x.codes.reshape(-1, k), x.scales.reshape(-1, 1), weight, weight_scale, x.dtype, backend)
     else:
-        y = _quantized_product(rows, weight, weight_scale, input_scale, backend)
+        lead, rows = x.shape[:-1], x.reshape(-1, x.shape[-1])
+        if backend in (SCALED_MM_ROWWISE, SCALED_MM_TENSORWISE) and rows.shape[0] <= GEMV_MAX_ROWS:
+            y = _weight_only(rows, weight, weight_scale)
+        else:
+            xq, x_scale = quantize_input(rows, input_scale)
+            y = _product(xq, x_scale, weight, weight_scale, rows.dtype, backend)
     if bias is not None:
         y = y + bias
-    return y.reshape(*x.shape[:-1], weight.shape[0])
+    return y.reshape(*lead, weight.shape[0])
 
 
-def _quantized_product(rows: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                       input_scale: torch.Tensor | None, backend: str) -> torch.Tensor:
-    """W8A8: the activations quantized per token (or with the static scale), then the backend's GEMM."""
-    xq, x_scale = quantize_input(rows, input_scale)
+def _product(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+             dtype: torch.dtype, backend: str) -> torch.Tensor:  # fmt: skip
+    """W8A8: codes [M, K] with scales [M, 1] (per token, or the static scale) times the weight, by the
+    backend's GEMM, in dtype."""
     if backend == SCALED_MM_ROWWISE:
-        return _scaled_mm_rowwise(xq, x_scale, weight, weight_scale, rows.dtype)
+        return _scaled_mm_rowwise(xq, x_scale, weight, weight_scale, dtype)
     if backend == SCALED_MM_TENSORWISE:
-        return _scaled_mm_tensorwise(xq, x_scale, weight, weight_scale, rows.dtype)
+        return _scaled_mm_tensorwise(xq, x_scale, weight, weight_scale, dtype)
     if backend == EMULATED:
-        return _emulated(xq, x_scale, weight, weight_scale, rows.dtype)
+        return _emulated(xq, x_scale, weight, weight_scale, dtype)
     raise ValueError(f"unknown FP8 GEMM backend {backend!r}")
 
 

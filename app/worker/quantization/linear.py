@@ -29,11 +29,12 @@ from app.worker.layers.linear import FROM_CHECKPOINT, WEIGHT_LOADER
 from app.worker.quantization.fp8 import (
     FP8_DTYPE,
     FP8_MAX,
+    Fp8Rows,
     block_scale_shape,
     quantize_rows,
     requantize_blocks_to_rows,
 )
-from app.worker.quantization.gemm import EMULATED, fp8_linear, gemm_backend
+from app.worker.quantization.gemm import EMULATED, fp8_linear, gemm_backend, takes_quantized_rows
 from app.worker.quantization.scheme import Fp8Scheme
 
 Shard = str | int | None
@@ -196,7 +197,11 @@ class Fp8LinearMethod:
 
     # ------------------------------------------------------------------ forward
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def takes_quantized_rows(self, layer: nn.Module, rows: int) -> bool:
+        """Whether apply() would quantize an input of `rows` rows per token: it may come as Fp8Rows."""
+        return takes_quantized_rows(layer.fp8_backend, rows, self.scheme.static_activations)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor | Fp8Rows, bias: torch.Tensor | None) -> torch.Tensor:
         input_scale = layer.input_scale if self.scheme.static_activations else None
         return fp8_linear(
             x, layer.weight, layer.weight_scale.view(1, -1), input_scale, bias, layer.fp8_backend

@@ -1,0 +1,173 @@
+#!/usr/bin/env python3
+"""The memory-bound kernels around the GEMMs, at the Llama-3.1-8B shape and the row counts of the
+offline run's steps (512: a decode step; 8704: an 8,192-token prefill chunk beside 512 decodes): time
+and the share of the copy bandwidth (bytes read + written, measured in the same run) for
+- the rotary + KV write (bf16 and FP8 cache) per heads-a-program (kernels/rotary.py's HEADS_PER_PROGRAM);
+- RMSNorm with the residual add, and SiLU-and-mul, each alone, followed by the per-token FP8
+  quantization, and fused with it (the FP8 model's W8A8 inputs);
+- the per-token quantization alone (o_proj's input);
+- SiLU-and-mul's fused quantization and quantize_rows per row plan (fp8_quant.row_plan's two ways: the
+  row held in registers, or read twice in pieces).
+Each figure is the median of 20 CUDA-graph replays of 10 launches. Correctness: every fused output is
+compared with its unfused composition (bit for bit) before it is timed.
+
+  python scripts/gpu/bench_elementwise.py [--json OUT] [--rows 512,8704]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+from tokenspeed_kernels import activation, fp8_quant, rmsnorm, rotary  # noqa: E402
+
+HIDDEN, INTER, Q_HEADS, KV_HEADS, HEAD = 4096, 14336, 32, 8, 128
+LAUNCHES = 10
+DEV = torch.device("cuda")
+
+
+def replay_us(fn: Callable[[], object]) -> float:
+    """Median microseconds of one fn() from graph replays of LAUNCHES calls."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(LAUNCHES):
+            fn()
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / LAUNCHES)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second by a 4 GiB device copy (median of 20, timed eagerly with events as
+    roofline.py times it: a graph of such copies measured 2.7 TB/s against 4.2)."""
+    src = torch.randn(1 << 30, device=DEV)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(23):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end) / 1e3)
+    return 2 * src.numel() * 4 / statistics.median(times)
+
+
+# SiLU-and-mul's fused quantization per row plan: the whole row in registers (the default at 14336), or
+# two passes over (LOOP_BLOCK, LOOP_WARPS) pieces.
+ROW_PLANS = {"registers": None, "loop 1024x4": (1024, 4), "loop 2048x8": (2048, 8), "loop 4096x8": (4096, 8)}
+
+
+def with_row_plan(plan: tuple[int, int] | None, fn: Callable[[], object]) -> Callable[[], object]:
+    def run() -> object:
+        saved = fp8_quant.MAX_ROW_IN_REGISTERS, fp8_quant.LOOP_BLOCK, fp8_quant.LOOP_WARPS
+        if plan is not None:
+            fp8_quant.MAX_ROW_IN_REGISTERS = 0
+            fp8_quant.LOOP_BLOCK, fp8_quant.LOOP_WARPS = plan
+        try:
+            return fn()
+        finally:
+            fp8_quant.MAX_ROW_IN_REGISTERS, fp8_quant.LOOP_BLOCK, fp8_quant.LOOP_WARPS = saved
+
+    return run
+
+
+def same_codes(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    return torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
+
+
+def rotary_cases(rows: int) -> list[tuple[str, Callable[[], object], int, bool]]:
+    qkv = torch.randn(rows, (Q_HEADS + 2 * KV_HEADS) * HEAD, device=DEV).bfloat16()
+    q = qkv[:, : Q_HEADS * HEAD].view(rows, Q_HEADS, HEAD)
+    k = qkv[:, Q_HEADS * HEAD : (Q_HEADS + KV_HEADS) * HEAD].view(rows, KV_HEADS, HEAD)
+    v = qkv[:, (Q_HEADS + KV_HEADS) * HEAD :].view(rows, KV_HEADS, HEAD)
+    angles = torch.rand(4096, HEAD // 2, device=DEV) * 6
+    cos, sin = angles.cos(), angles.sin()
+    positions = torch.randint(0, 4096, (rows,), device=DEV)
+    slots = torch.randperm(rows * 2, device=DEV)[:rows]
+    cases = []
+    for cache_dtype, name in ((torch.bfloat16, "bf16"), (torch.float8_e4m3fn, "fp8")):
+        k_cache = torch.zeros(rows * 2, KV_HEADS, HEAD, device=DEV).to(cache_dtype)
+        v_cache = torch.zeros_like(k_cache)
+        kv_bytes = 2 * rows * KV_HEADS * HEAD * k_cache.element_size()
+        moved = 2 * rows * (Q_HEADS + KV_HEADS) * HEAD * 2 + rows * KV_HEADS * HEAD * 2 + kv_bytes
+        for heads in (8, 16, 32, 64):
+            def run(heads: int = heads, k_cache: torch.Tensor = k_cache, v_cache: torch.Tensor = v_cache) -> None:
+                rotary.HEADS_PER_PROGRAM = heads
+                rotary.rotate_and_write_kv(q, k, v, cos, sin, positions, k_cache, v_cache, slots)
+
+            cases.append((f"rotary+kv {name} cache, {heads} heads/program", run, moved, True))
+    return cases
+
+
+def norm_and_activation_cases(rows: int) -> list[tuple[str, Callable[[], object], int, bool]]:
+    x = torch.randn(rows, HIDDEN, device=DEV).bfloat16()
+    residual = torch.randn(rows, HIDDEN, device=DEV).bfloat16()
+    weight = torch.rand(HIDDEN, device=DEV).bfloat16() + 0.5
+    gate_up = torch.randn(rows, 2 * INTER, device=DEV).bfloat16()
+    wide = torch.randn(rows, INTER, device=DEV).bfloat16()
+    res_a, res_b = residual.clone(), residual.clone()
+    norm_ok = same_codes(rmsnorm.add_rms_norm_fp8(x, res_a, weight, 1e-5),
+                         fp8_quant.quantize_rows(rmsnorm.add_rms_norm(x, res_b, weight, 1e-5)))  # fmt: skip
+    silu_ok = same_codes(activation.silu_and_mul_fp8(gate_up),
+                         fp8_quant.quantize_rows(activation.silu_and_mul(gate_up)))  # fmt: skip
+    h, i = rows * HIDDEN, rows * INTER
+    return [
+        ("add_rms_norm", lambda: rmsnorm.add_rms_norm(x, residual, weight, 1e-5), 8 * h, True),
+        ("add_rms_norm, then quantize_rows",
+         lambda: fp8_quant.quantize_rows(rmsnorm.add_rms_norm(x, residual, weight, 1e-5)), 8 * h + 3 * h, True),
+        ("add_rms_norm_fp8", lambda: rmsnorm.add_rms_norm_fp8(x, residual, weight, 1e-5), 7 * h, norm_ok),
+        ("silu_and_mul", lambda: activation.silu_and_mul(gate_up), 6 * i, True),
+        ("silu_and_mul, then quantize_rows",
+         lambda: fp8_quant.quantize_rows(activation.silu_and_mul(gate_up)), 6 * i + 3 * i, True),
+        *[(f"silu_and_mul_fp8, {name}", with_row_plan(plan, lambda: activation.silu_and_mul_fp8(gate_up)),
+           5 * i, silu_ok and same_codes(with_row_plan(plan, lambda: activation.silu_and_mul_fp8(gate_up))(),
+                                         activation.silu_and_mul_fp8(gate_up)))
+          for name, plan in ROW_PLANS.items()],
+        ("quantize_rows 4096", lambda: fp8_quant.quantize_rows(x), 3 * h, True),
+        *[(f"quantize_rows 14336, {name}", with_row_plan(plan, lambda: fp8_quant.quantize_rows(wide)), 3 * i, True)
+          for name, plan in ROW_PLANS.items()],
+    ]  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--rows", default="512,8704")
+    args = parser.parse_args()
+    bandwidth = copy_bandwidth()
+    results = []
+    for rows in (int(r) for r in args.rows.split(",")):
+        for name, fn, moved, ok in rotary_cases(rows) + norm_and_activation_cases(rows):
+            us = replay_us(fn)
+            results.append({"rows": rows, "kernel": name, "us": us, "bytes": moved,
+                            "share_of_copy": moved / (us / 1e6) / bandwidth, "equal_to_unfused": ok})  # fmt: skip
+    report = {"copy_bandwidth_bytes_per_s": bandwidth, "results": results}
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    print("| rows | kernel | us | share of copy | equal to unfused |\n|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['rows']} | {r['kernel']} | {r['us']:.1f} | {r['share_of_copy']:.2f} | {r['equal_to_unfused']} |")
+    if not all(r["equal_to_unfused"] for r in results):
+        sys.exit("a fused kernel differs from its unfused composition")
+
+
+if __name__ == "__main__":
+    main()

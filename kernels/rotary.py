@@ -5,6 +5,8 @@ one kernel a layer instead of two).
 Same arithmetic as transformers' q * cos + rotate_half(q) * sin with the float32 cos/sin tables
 cast to the activation dtype first, each product and sum rounded to that dtype as torch does.
 q, k and v may be strided views of the fused QKV output (heads and dims contiguous within a row).
+rotate_and_write_kv can put the rotated q into a buffer of its own (q_out) instead of in place: a
+kernel that needs q contiguous (flashinfer's xqa decode) then gets it without a copy.
 The cache write is kv_write.write_kv's (store_cache_rows): an FP8 cache (torch.float8_e4m3fn) stores the rotated K and V
 quantized with the layer's k_scale / v_scale.
 """
@@ -43,6 +45,7 @@ HEADS_PER_PROGRAM = 8
 @triton.jit
 def _rotary_kernel(
     q_ptr,
+    q_out_ptr,
     k_ptr,
     v_ptr,
     cos_ptr,
@@ -52,6 +55,7 @@ def _rotary_kernel(
     v_cache_ptr,
     slot_ptr,
     stride_q,
+    stride_q_out,
     stride_k,
     stride_v,
     stride_table,
@@ -69,7 +73,7 @@ def _rotary_kernel(
 ):
     """Program (t, j): token t's heads j * BLOCK_H + [0, BLOCK_H) of q's heads followed by k's (a head
     h >= num_q_heads is KV head h - num_q_heads: rotate k; with WRITE_KV, then write k and v into the
-    token's cache slot)."""
+    token's cache slot). Rotated q heads go to q_out (q itself for in place)."""
     wait_for_predecessor(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -80,12 +84,15 @@ def _rotary_kernel(
     sin = tl.load(sin_ptr + pos * stride_table + offs, mask=d_mask, other=0.0)[None, :]
     is_q = heads < num_q_heads
     kv_head = heads - num_q_heads
-    row = tl.where(is_q, q_ptr + t * stride_q + heads * (2 * HALF), k_ptr + t * stride_k + kv_head * (2 * HALF))
+    k_row = k_ptr + t * stride_k + kv_head * (2 * HALF)
+    row = tl.where(is_q, q_ptr + t * stride_q + heads * (2 * HALF), k_row)
+    out_row = tl.where(is_q, q_out_ptr + t * stride_q_out + heads * (2 * HALF), k_row)
     x = row[:, None] + offs[None, :]
+    y = out_row[:, None] + offs[None, :]
     mask = (heads < num_heads)[:, None] & d_mask[None, :]
     o1, o2 = rotate_halves(tl.load(x, mask=mask), tl.load(x + HALF, mask=mask), cos, sin)
-    tl.store(x, o1, mask=mask)
-    tl.store(x + HALF, o2, mask=mask)
+    tl.store(y, o1, mask=mask)
+    tl.store(y + HALF, o2, mask=mask)
     # A program of query heads only has nothing to write: it skips the cache arithmetic (an FP8 cache's
     # division and cast per value) instead of running it masked (half the FP8 launch's time at 8 heads).
     if WRITE_KV and (tl.program_id(1) + 1) * BLOCK_H > num_q_heads:
@@ -106,9 +113,15 @@ def _check_tables(cos: torch.Tensor, sin: torch.Tensor) -> None:
 
 def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             positions: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-            k_scale: float, v_scale: float) -> None:  # fmt: skip
-    """caches: (k_cache, v_cache, slot_mapping) to write into, or None to rotate only."""
+            k_scale: float, v_scale: float, q_out: torch.Tensor | None = None) -> None:  # fmt: skip
+    """caches: (k_cache, v_cache, slot_mapping) to write into, or None to rotate only; q_out: where the
+    rotated q goes (None: in place)."""
     check_rows("q", q)
+    if q_out is None:
+        q_out = q
+    elif q_out.shape != q.shape or q_out.dtype != q.dtype:
+        raise ValueError(f"q_out must be a {tuple(q.shape)} {q.dtype} tensor, got {tuple(q_out.shape)} {q_out.dtype}")
+    check_rows("q_out", q_out)
     check_rows("k", k)
     check_rows("v", v)
     _check_tables(cos, sin)
@@ -119,7 +132,8 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor
     num_heads = q.shape[1] + k.shape[1]
     block_h = 1 if num_tokens <= ONE_HEAD_MAX_TOKENS else HEADS_PER_PROGRAM
     _rotary_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
-        q, k, v, cos, sin, positions, k_cache, v_cache, slots, q.stride(0), k.stride(0), v.stride(0),
+        q, q_out, k, v, cos, sin, positions, k_cache, v_cache, slots, q.stride(0), q_out.stride(0), k.stride(0),
+        v.stride(0),
         cos.stride(0), q.shape[1], num_heads, float(k_scale), float(v_scale),
         HALF=half, BLOCK_HALF=next_power_of_2(half), BLOCK_H=block_h, ROW=v.shape[1] * v.shape[2],
         WRITE_KV=caches is not None, FP8=k_cache.dtype == FP8_DTYPE, **pdl_options(),
@@ -145,11 +159,13 @@ def rotate_and_write_kv(
     slot_mapping: torch.Tensor,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    q_out: torch.Tensor | None = None,
 ) -> None:
     """rotary_inplace(q, k, cos, sin, positions) then kv_write.write_kv(k, v, ...) in one launch, with the
-    same results: q and k are rotated in place and the rotated k goes to the cache."""
+    same results: q and k are rotated in place and the rotated k goes to the cache. With q_out the rotated
+    q goes there instead and q is left as it was."""
     check_kv_caches(k_cache, v_cache, k_scale, v_scale)
-    _launch(q, k, v, cos, sin, positions, (k_cache, v_cache, slot_mapping), k_scale, v_scale)
+    _launch(q, k, v, cos, sin, positions, (k_cache, v_cache, slot_mapping), k_scale, v_scale, q_out)
 
 
 def rotary_reference(

@@ -6,6 +6,7 @@ and the share of the copy bandwidth (bytes read + written, measured in the same 
 - RMSNorm with the residual add, and SiLU-and-mul, each alone, followed by the per-token FP8
   quantization, and fused with it (the FP8 model's W8A8 inputs);
 - the per-token quantization alone (o_proj's input);
+- a greedy step's reduction over the logits: torch's argmax and bad-row max against kernels/greedy.py;
 - SiLU-and-mul's fused quantization and quantize_rows per row plan (fp8_quant.row_plan's two ways: the
   row held in registers, or read twice in pieces).
 Each figure is the median of 20 CUDA-graph replays of 10 launches. Correctness: every fused output is
@@ -26,9 +27,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
-from tokenspeed_kernels import activation, fp8_quant, rmsnorm, rotary  # noqa: E402
+from tokenspeed_kernels import activation, fp8_quant, greedy, rmsnorm, rotary  # noqa: E402
 
-HIDDEN, INTER, Q_HEADS, KV_HEADS, HEAD = 4096, 14336, 32, 8, 128
+from app.worker.sampling.processors import find_bad_rows  # noqa: E402
+from app.worker.sampling.reduce import argmax_rows  # noqa: E402
+
+HIDDEN, INTER, Q_HEADS, KV_HEADS, HEAD, VOCAB = 4096, 14336, 32, 8, 128, 128256
 LAUNCHES = 10
 DEV = torch.device("cuda")
 
@@ -146,15 +150,28 @@ def norm_and_activation_cases(rows: int) -> list[tuple[str, Callable[[], object]
     ]  # fmt: skip
 
 
+def greedy_cases(rows: int) -> list[tuple[str, Callable[[], object], int, bool]]:
+    """A greedy step's reduction over bf16 logits: torch's two (argmax_rows, find_bad_rows) against the
+    fused one (kernels/greedy.py)."""
+    logits = (torch.randn(rows, VOCAB, device=DEV) * 4).bfloat16()
+    tokens, bad = greedy.greedy_tokens(logits)
+    ok = torch.equal(tokens, argmax_rows(logits)) and torch.equal(bad, find_bad_rows(logits))
+    return [
+        ("greedy: argmax_rows + find_bad_rows", lambda: (argmax_rows(logits), find_bad_rows(logits)),
+         2 * rows * VOCAB * 2, True),
+        ("greedy: greedy_tokens", lambda: greedy.greedy_tokens(logits), rows * VOCAB * 2, ok),
+    ]  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--rows", default="512,8704")
+    parser.add_argument("--rows", default="1,512,8704")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     results = []
     for rows in (int(r) for r in args.rows.split(",")):
-        for name, fn, moved, ok in rotary_cases(rows) + norm_and_activation_cases(rows):
+        for name, fn, moved, ok in rotary_cases(rows) + norm_and_activation_cases(rows) + greedy_cases(rows):
             us = replay_us(fn)
             results.append({"rows": rows, "kernel": name, "us": us, "bytes": moved,
                             "share_of_copy": moved / (us / 1e6) / bandwidth, "equal_to_unfused": ok})  # fmt: skip

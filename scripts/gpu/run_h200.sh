@@ -218,7 +218,8 @@ for s in $STAGES; do
     tests_fi_decode) wait $WARM; stage tests_fi_decode 200 python3 -m pytest -q -s -p no:cacheprovider \
       tests/gpu/test_backends_gpu.py -k "flashinfer_decode_kernels" ;;
     tests_decode) wait $WARM; stage tests_decode 220 python3 -m pytest -q -p no:cacheprovider -k "not 8b" \
-      tests/gpu/test_backends_gpu.py tests/gpu/test_fp8_kv_backends.py tests/gpu/test_pipeline_gpu.py ;;
+      tests/gpu/test_backends_gpu.py tests/gpu/test_fp8_kv_backends.py tests/gpu/test_pipeline_gpu.py \
+      tests/gpu/test_greedy_gpu.py ;;
     tests_fp8kv) wait $WARM; stage tests_fp8kv 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_kv_backends.py \
       tests/gpu/test_flashinfer_sampling.py tests/gpu/test_fp8_gpu.py tests/gpu/test_gemv_gpu.py ;;
     tests_tp) wait $WARM; stage tests_tp 200 python3 -m pytest -v -s -p no:cacheprovider -o faulthandler_timeout=100 \

@@ -241,6 +241,13 @@ def test_fused_rotary_and_kv_write_on_cuda_equal_the_two_kernels(kv_dtype: torch
         results.append([x, *(c.view(torch.uint8) for c in caches)])
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
+    x, caches = qkv.clone(), [torch.zeros(8, 16, 8, 128, device="cuda").to(kv_dtype) for _ in range(2)]
+    q_out = torch.empty(tokens, 32, 128, device="cuda", dtype=torch.bfloat16)
+    xk, xv = x[:, 4096:5120].view(tokens, 8, 128), x[:, 5120:].view(tokens, 8, 128)
+    rotary.rotate_and_write_kv(x[:, :4096].view(tokens, 32, 128), xk, xv, cos, sin, pos, *caches, slots,
+                               *scales.values(), q_out=q_out)  # fmt: skip
+    assert torch.equal(q_out, results[0][0][:, :4096].view(tokens, 32, 128)) and torch.equal(x[:, :4096], qkv[:, :4096])
+    assert all(torch.equal(c.view(torch.uint8), r) for c, r in zip(caches, results[0][1:], strict=True))
 
 
 @pytest.mark.skipif(not _has_flashinfer(), reason="no flashinfer")

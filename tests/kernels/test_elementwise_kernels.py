@@ -85,3 +85,16 @@ def test_fused_rotary_and_kv_write_equal_the_two_kernels(cache_dtype: torch.dtyp
     for fused, unfused in zip(*results, strict=True):
         assert torch.equal(fused, unfused)
     assert results[0][1].any() and results[0][2].any()  # both caches were written
+    # The rotated q into a buffer of its own: the same values there, q untouched, the same cache.
+    x = qkv.clone()
+    q = x[:, : heads * dim].view(tokens, heads, dim)
+    k = x[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    v = x[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
+    caches = [torch.zeros(24, kv_heads, dim).to(cache_dtype) for _ in range(2)]
+    q_out = torch.full((tokens, heads, dim), 7.0, dtype=dtype)
+    rotate_and_write_kv(q, k, v, cos, sin, positions, *caches, slots, *scales, q_out=q_out)
+    rotated = results[0][0]
+    assert torch.equal(q_out, rotated[:, : heads * dim].view(tokens, heads, dim))
+    assert torch.equal(x[:, : heads * dim], qkv[:, : heads * dim])
+    assert torch.equal(x[:, heads * dim :], rotated[:, heads * dim :])
+    assert all(torch.equal(c.view(torch.uint8), r) for c, r in zip(caches, results[0][1:], strict=True))

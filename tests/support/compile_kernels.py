@@ -64,6 +64,7 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
         decode_attention,
         fp8_quant,
         gemv,
+        greedy,
         kv_write,
         page_table,
         prefill_attention,
@@ -81,6 +82,8 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
         out.append((f"rms_norm {dtype}", lambda x=x, w=w: rmsnorm.rms_norm(x, w, 1e-6)))
         out.append((f"add_rms_norm {dtype}", lambda x=x, w=w: rmsnorm.add_rms_norm(x, x.clone(), w, 1e-6)))
         out.append((f"silu_and_mul {dtype}", lambda x=x: activation.silu_and_mul(x)))
+        logits = torch.zeros(2, 5000, dtype=dtype)
+        out.append((f"greedy_tokens {dtype}", lambda logits=logits: greedy.greedy_tokens(logits)))
         out += fused_fp8_cases(dtype, rmsnorm, activation, fp8_quant)
         q = torch.zeros(tokens, heads, dim, dtype=dtype)
         k = torch.zeros(tokens, kv_heads, dim, dtype=dtype)
@@ -100,6 +103,9 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
             out.append((f"rotate_and_write_kv {dtype} -> {cache_dtype}",
                         lambda q=q, k=k, kc=kc, cos=cos, pos=pos, s=scale: rotary.rotate_and_write_kv(
                             q, k, k.clone(), cos, cos, pos, kc, kc.clone(), pos, s, s)))  # fmt: skip
+            out.append((f"rotate_and_write_kv {dtype} -> {cache_dtype}, q_out",
+                        lambda q=q, k=k, kc=kc, cos=cos, pos=pos, s=scale: rotary.rotate_and_write_kv(
+                            q, k, k.clone(), cos, cos, pos, kc, kc.clone(), pos, s, s, q_out=q.clone())))  # fmt: skip
             out.append((f"rotate_and_write_kv {dtype} -> {cache_dtype}, {many} tokens",
                         lambda q=qm, k=km, kc=kc, cos=cos, pos=pm, s=scale: rotary.rotate_and_write_kv(
                             q, k, k.clone(), cos, cos, pos, kc, kc.clone(), pos, s, s)))  # fmt: skip

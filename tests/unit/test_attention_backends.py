@@ -91,7 +91,10 @@ def test_capture_sizes() -> None:
 
 
 class _Unused:
-    """Stands in for the model and backend: staging touches neither."""
+    """Stands in for the model and backend: staging touches neither (the graphs read the model's dtype,
+    their logits buffer's)."""
+
+    dtype = torch.float32
 
 
 def test_stage_fills_rows_and_pads_onto_the_scratch_block() -> None:

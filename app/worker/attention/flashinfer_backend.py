@@ -325,7 +325,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         rope: Rope | None = None,
     ) -> torch.Tensor:
-        q = write_new_tokens(self.kv_cache, layer_idx, q, k, v, meta.batch.slot_mapping, rope)
+        # xqa reads q contiguous: the rotation writes it so (a copy a layer less).
+        q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if self.xqa_workspace is not None else None
+        q = write_new_tokens(self.kv_cache, layer_idx, q, k, v, meta.batch.slot_mapping, rope, q_out)
         return self.attend(layer_idx, q, meta)
 
     def attend(

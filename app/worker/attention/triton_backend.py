@@ -160,17 +160,19 @@ def write_new_tokens(
     v: torch.Tensor,
     slot_mapping: torch.Tensor,
     rope: Rope | None,
+    q_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate q and k (when rope is given) and write k and v into the layer's cache slots; returns q
-    rotated. One kernel where the rope runs fused (CUDA), the torch rotation then the write elsewhere."""
+    rotated: in place, or in q_out (a contiguous [T, heads, dim] buffer for kernels that need one). One
+    kernel where the rope runs fused (CUDA), the torch rotation then the write elsewhere."""
     caches = (kv_cache.k[layer_idx], kv_cache.v[layer_idx], slot_mapping)
     scales = (kv_cache.k_scales[layer_idx], kv_cache.v_scales[layer_idx])
     if rope is not None and rope.fused:
         kernel_module("rotary").rotate_and_write_kv(
-            q, k, v, rope.rotary.cos, rope.rotary.sin, rope.positions, *caches, *scales
+            q, k, v, rope.rotary.cos, rope.rotary.sin, rope.positions, *caches, *scales, q_out=q_out
         )
-        return q
+        return q if q_out is None else q_out
     if rope is not None:
         q, k = rope.apply(q, k)
     kernel_module("kv_write").write_kv(k, v, *caches, *scales)
-    return q
+    return q if q_out is None else q_out.copy_(q)

@@ -13,8 +13,7 @@ import torch
 from app.protocol import SamplingParams
 from app.worker.sampling.logprobs import gather_logprobs
 from app.worker.sampling.output import SamplerOutput, check_logits
-from app.worker.sampling.processors import find_bad_rows
-from app.worker.sampling.reduce import argmax_rows
+from app.worker.sampling.reduce import argmax_and_bad_rows
 from app.worker.sampling.validation import check_greedy_params
 from app.worker.transfer import upload
 
@@ -61,10 +60,10 @@ class GreedySampler:
     def sample(self, logits: torch.Tensor, slots: list[int]) -> SamplerOutput:
         check_logits(logits, slots, self.vocab_size)
         s = self._check_active(slots)
-        tokens = argmax_rows(logits)
+        tokens, bad = argmax_and_bad_rows(logits)
         rows = np.flatnonzero(self._logprobs[s])
         logprobs = None
         if len(rows):
             rows_dev = upload(rows, torch.int64, self.device)
             logprobs = gather_logprobs(logits, tokens, rows, rows_dev, self._top_logprobs[s[rows]])
-        return SamplerOutput(tokens, find_bad_rows(logits), logprobs)
+        return SamplerOutput(tokens, bad, logprobs)

@@ -10,6 +10,8 @@ its largest value (torch's argmax rule), so the index is the first too.
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 _MAX_PIECE = 1024
@@ -37,6 +39,14 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(dim=-1) of [B, V] rows: int64, the first index of the largest value."""
     piece = _piece(x)
     return argmax_in_pieces(x, piece) if piece else x.argmax(dim=-1)
+
+
+def argmax_and_bad_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(argmax_rows(x), ~isfinite(max_rows(x))): a greedy batch's tokens and its bad rows (NaN, +inf,
+    or all -inf). On CUDA one read of x (kernels/greedy.py) instead of the two reductions."""
+    if x.is_cuda and x.dim() == 2 and x.stride(-1) == 1:
+        return importlib.import_module("tokenspeed_kernels.greedy").greedy_tokens(x)
+    return argmax_rows(x), ~torch.isfinite(max_rows(x))
 
 
 def max_in_pieces(x: torch.Tensor, piece: int) -> torch.Tensor:

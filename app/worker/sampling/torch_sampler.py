@@ -39,7 +39,7 @@ from app.worker.sampling.processors import (
     mask_tokens,
 )
 from app.worker.sampling.randomness import gumbel_noise
-from app.worker.sampling.reduce import argmax_rows
+from app.worker.sampling.reduce import argmax_and_bad_rows, argmax_rows
 from app.worker.sampling.slots import SlotTable
 from app.worker.sampling.truncation import apply_min_p, apply_top_k_top_p
 from app.worker.sampling.validation import check_params
@@ -116,9 +116,9 @@ class Sampler:
             return SamplerOutput(empty, empty.bool())
         plan = plan_batch(self._table, slots, self.route)
         if _argmax_of_raw_logits(plan):
-            tokens = argmax_rows(logits)
+            tokens, bad = argmax_and_bad_rows(logits)
             self._table.record(plan.slots, plan.dev["penalised_slots"], tokens[:0])  # none is penalised
-            return SamplerOutput(tokens, find_bad_rows(logits))
+            return SamplerOutput(tokens, bad)
         processed, bad = self._process(logits, plan)
         tokens = self._choose(processed, plan)
         penalised = plan.dev["penalised_rows"]

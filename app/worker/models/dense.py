@@ -132,7 +132,8 @@ class DenseMLP(nn.Module):
 
     def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        return self.down_proj(self.act(gate_up, quantize=self.down_proj.takes_quantized_rows(gate_up.shape[0])))
+        quantize = self.down_proj.takes_quantized_rows(gate_up.shape[0])  # FP8: SiLU's output comes quantized
+        return self.down_proj(self.act(gate_up, quantize))
 
 
 class DenseDecoderLayer(nn.Module):

@@ -1,6 +1,6 @@
 """The portable sampler: every SamplingParams feature, vectorised torch ops on any device.
 
-A step, on float32 [B, V] logits whose row i belongs to slots[i]:
+A step, on [B, V] logits whose row i belongs to slots[i] (in the model dtype; processed in float32):
   1. rows holding NaN / +inf (or all -inf) are reported in bad_rows and zeroed;
   2. logit_bias is added to the raw logits;
   3. while a sequence has output fewer than min_new_tokens tokens, EOS and its stop_token_ids are -inf;
@@ -10,8 +10,8 @@ A step, on float32 [B, V] logits whose row i belongs to slots[i]:
      truncated by top-k, top-p and min-p (truncation.py) and sampled by the exponential race
      (randomness.py: a per-position seed for seeded requests, one shared generator otherwise).
 Every stage runs only over the rows that need it (a batch of greedy rows that nothing processes takes
-the argmax of the logits as they come, without the float32 copy); top-k / top-p run only when a sampled row uses
-one of them, over a partial sort (topk) where that is exact. The sampled tokens are recorded in the
+the argmax of the logits as they come, without the float32 copy); top-k / top-p run only when a
+sampled row uses one of them, over a partial sort (topk) where that is exact. The sampled tokens are recorded in the
 slots' history before returning. A subclass may draw some unseeded rows with kernels of its own
 (class attribute `route`, see batch.KernelRoute; FlashInferSampler): everything else stays here.
 Nothing here waits for the device (the worker launches the next step before it reads this one's

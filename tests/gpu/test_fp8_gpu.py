@@ -31,6 +31,7 @@ from app.worker.quantization import (
     quantize_rows,
     quantized_layers,
 )
+from app.worker.quantization.fp8 import Fp8Rows
 from app.worker.quantization.gemm import GEMV_MAX_ROWS
 from tests.gpu.test_model_runner_gpu import LLAMA_31_8B, settings
 from tests.support.model_factory import build_tiny_model, write_fp8_checkpoint
@@ -180,9 +181,16 @@ def test_fp8_model_hands_quantized_rows_over_with_the_same_logits(
     model_dir = build_tiny_model("llama", tmp_path, seed=5, initializer_range=0.1)
     runner = ModelRunner(settings(model_dir, quantization="fp8", block_size=4), CUDA)
     prompts = prompts_for(runner.vocab_size, [GEMV_MAX_ROWS + 1, 60])
+    inputs: list[bool] = []
+    project = Linear.project
+    monkeypatch.setattr(Linear, "project", lambda self, x, bias: inputs.append(isinstance(x, Fp8Rows))
+                        or project(self, x, bias))  # fmt: skip
     handed_over = torch.cat(prefill_logits_cuda(runner, prompts))
+    assert sum(inputs) == 3 * len(inputs) // 4  # all but o_proj's
     monkeypatch.setattr(Linear, "takes_quantized_rows", lambda self, rows: False)
+    inputs.clear()
     assert torch.equal(handed_over, torch.cat(prefill_logits_cuda(runner, prompts)))
+    assert inputs and not any(inputs)
 
 
 def prefill_logits_cuda(runner: ModelRunner, prompts: list[list[int]]) -> list[torch.Tensor]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -22,6 +24,8 @@ except ImportError:  # an older Triton: the kernels compile without the PDL bran
 
     PDL_AVAILABLE = False
 
+# Under Triton's interpreter (the CPU tests): read when a module is loaded, as Triton reads it.
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 FP8_DTYPE = torch.float8_e4m3fn  # the FP8 KV cache's storage type (Triton's float8e4nv)
 
 

@@ -19,14 +19,13 @@ activation.silu_and_mul_fp8 give quantize_rows' codes and scales of their unfuse
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from .common import FP8_DTYPE, check_last_dim_contiguous, next_power_of_2
+from .common import FP8_DTYPE, INTERPRETING, check_last_dim_contiguous, next_power_of_2
 
 FP8_MAX = 448.0  # the largest finite e4m3 value; the cast alone does not saturate on the GPU
 MIN_AMAX = 1e-12  # an all-zero row still gets a positive scale
@@ -77,7 +76,7 @@ def _round_to_e4m3(x):
 # exponent, so values are put on the e4m3 grid first. On the GPU the cast (cvt.rn.satfinite) rounds to
 # nearest even itself, as torch's does: the same codes without the ~10 integer operations a value
 # (the FP8 KV write took twice the bf16 one's time with them; tests/gpu check the codes bit for bit).
-_ROUND_BEFORE_CAST = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+_ROUND_BEFORE_CAST = tl.constexpr(INTERPRETING)
 
 
 @triton.jit

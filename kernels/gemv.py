@@ -23,19 +23,24 @@ waiting for the kernel before it: weights depend on no kernel, so they stream in
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
-from .common import FP8_DTYPE, check_last_dim_contiguous, dot_precision, pdl_options, wait_for_predecessor
+from .common import (
+    FP8_DTYPE,
+    INTERPRETING,
+    check_last_dim_contiguous,
+    dot_precision,
+    pdl_options,
+    wait_for_predecessor,
+)
 
 MAX_M = 16
 FMA_MAX_M = 4
 WEIGHT_DTYPES = (torch.float16, torch.bfloat16, FP8_DTYPE)
-_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @dataclass(frozen=True)
@@ -196,7 +201,7 @@ _MEASURED: dict[tuple[str, int, int, int], GemvConfig] = {
 
 def measured_config(m: int, n: int, k: int, weight_dtype: torch.dtype) -> GemvConfig | None:
     """The configuration measured fastest for this shape (None: not measured, or cuBLAS was faster)."""
-    if _INTERPRETING or weight_dtype not in WEIGHT_DTYPES or not 1 <= m <= MAX_M:
+    if INTERPRETING or weight_dtype not in WEIGHT_DTYPES or not 1 <= m <= MAX_M:
         return None
     bucket = next(b for b in ROW_BUCKETS if b >= m)
     return _MEASURED.get(("fp8" if weight_dtype == FP8_DTYPE else "16", bucket, n, k))
@@ -210,7 +215,7 @@ def pick_config(m: int, n: int, k: int, weight_dtype: torch.dtype) -> GemvConfig
     found = measured_config(m, n, k, weight_dtype)
     if found is not None:
         return found
-    if _INTERPRETING:
+    if INTERPRETING:
         return GemvConfig(use_dot=m > FMA_MAX_M, block_n=16, block_k=64)
     if weight_dtype == FP8_DTYPE:
         split = 1 if triton.cdiv(n, 64) >= 256 else 4

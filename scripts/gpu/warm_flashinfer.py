@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""Build the JIT kernels the flashinfer backend runs for the GPU run's shapes (bf16 queries, head_dim 128,
-page 16; bf16 KV: flashinfer's prefill, Triton's decode; FP8 KV: flashinfer's prefill and tensor-core
-decode, graphed too; and the sampling kernels) through our backend, so the compile
-(~12 s decode, ~95 s prefill the first time) overlaps other work and lands in
-$FLASHINFER_WORKSPACE_BASE, which the run script returns as a tarball."""
+"""Build the JIT kernels the flashinfer backend runs for the GPU run's shapes (bf16 queries, head_dim
+128, the default --block-size; bf16 KV: flashinfer's prefill, Triton's decode; FP8 KV: flashinfer's
+prefill and xqa decode (tensor-core decode off Hopper), graphed too; and the sampling kernels) through
+our backend, so the compile (~12 s decode, ~95 s prefill the first time) overlaps other work and lands
+in $FLASHINFER_WORKSPACE_BASE, which the run script returns as a tarball."""
 
 from __future__ import annotations
 
@@ -15,8 +15,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
+from app.config.settings import Settings  # noqa: E402
 from app.worker.attention import AttentionSpec  # noqa: E402
 from app.worker.attention.flashinfer_backend import kernels_unavailable  # noqa: E402
+
+BLOCK_SIZE = Settings.model_fields["block_size"].default  # the appliance's --block-size (xqa builds per size)
 
 
 def main() -> None:
@@ -24,7 +27,7 @@ def main() -> None:
     started = time.perf_counter()
     spec = AttentionSpec(32, 8, 128, 128**-0.5, q_dtype=torch.bfloat16)
     for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
-        problem = kernels_unavailable(spec, kv_dtype, torch.device("cuda"))
+        problem = kernels_unavailable(spec, kv_dtype, torch.device("cuda"), BLOCK_SIZE)
         if problem is not None:
             raise SystemExit(f"flashinfer ({kv_dtype} KV): {problem}")
         print(f"flashinfer backend's decode, prefill and graph decode ({kv_dtype} KV) ready after "

@@ -88,7 +88,7 @@ def test_split_k_equals_one_pass() -> None:
 def test_chosen_configs_serve_every_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
     """What pick_config gives on a GPU (the measured table, else the defaults) can serve the rows it is
     picked for: a table entry filed under the wrong row bucket, or a default the kernel refuses, fails."""
-    monkeypatch.setattr(gemv_module, "_INTERPRETING", False)
+    monkeypatch.setattr(gemv_module, "INTERPRETING", False)
     shapes = {(n, k) for (_, _, n, k) in gemv_module._MEASURED} | {(1000, 200)}
     for m in range(1, MAX_M + 1):
         for dtype in (torch.bfloat16, torch.float8_e4m3fn):

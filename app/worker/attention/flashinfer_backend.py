@@ -381,7 +381,7 @@ def probe_batches(block_size: int, device: torch.device) -> tuple[int, list[Atte
 
 
 def kernels_unavailable(
-    spec: AttentionSpec, kv_dtype: torch.dtype, device: torch.device, block_size: int = 16
+    spec: AttentionSpec, kv_dtype: torch.dtype, device: torch.device, block_size: int
 ) -> str | None:
     """Why flashinfer cannot run this model's attention here (None: it can). Runs a decode and a prefill
     step, CUDA-graph decode included, on a two-sequence cache of the runner's block size (xqa builds a

@@ -54,6 +54,15 @@ class BatchPlan:
     def num_kernel_rows(self) -> int:
         return sum(self.kernel_groups)
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Every row takes the argmax of its logits as they are: all greedy, nothing that processes a row
+        (bias, a min_new_tokens mask, penalties) and no logprobs."""
+        return not (
+            len(self.sample_rows) or len(self.penalised_rows) or len(self.logprob_rows)
+            or self.dev["bias_rows"].numel() or self.dev["block_rows"].numel()
+        )  # fmt: skip
+
     def covers_all(self, rows: np.ndarray) -> bool:
         """Whether `rows` is the whole batch in order (then no gather is needed)."""
         return len(rows) == len(self.slots) and bool((rows == np.arange(len(rows))).all())

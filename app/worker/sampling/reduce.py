@@ -10,9 +10,9 @@ its largest value (torch's argmax rule), so the index is the first too.
 
 from __future__ import annotations
 
-import importlib
-
 import torch
+
+from app.worker.layers.fused import kernel_module
 
 _MAX_PIECE = 1024
 _MIN_PIECE = 64  # a vocabulary with no power-of-two factor this large is reduced in one pass
@@ -45,7 +45,7 @@ def argmax_and_bad_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(argmax_rows(x), ~isfinite(max_rows(x))): a greedy batch's tokens and its bad rows (NaN, +inf,
     or all -inf). On CUDA one read of x (kernels/greedy.py) instead of the two reductions."""
     if x.is_cuda and x.dim() == 2 and x.stride(-1) == 1:
-        return importlib.import_module("tokenspeed_kernels.greedy").greedy_tokens(x)
+        return kernel_module("greedy").greedy_tokens(x)
     return argmax_rows(x), ~torch.isfinite(max_rows(x))
 
 

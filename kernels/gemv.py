@@ -37,6 +37,7 @@ from .common import (
     pdl_options,
     wait_for_predecessor,
 )
+from .fp8_quant import row_scale, to_e4m3
 
 MAX_M = 16
 FMA_MAX_M = 4
@@ -56,6 +57,10 @@ class GemvConfig:
     # codes cast to bfloat16 stream at about half the rate of a cast to float16 (one hardware conversion
     # per two codes); a float16 built from the codes' bits by integer instructions measured slower still.
     fp16_operands: bool = False
+    # DOT with FP8 codes: x quantized per token to e4m3 too (W8A8), so the tensor cores multiply codes by
+    # codes with no conversion in registers; x comes as codes with per-row scales, or 16-bit and
+    # quantized by each program (the row's amax, then its codes: quantize_rows' numbers).
+    fp8_operands: bool = False
 
     def block_m(self, m: int) -> int:
         return 16 if self.use_dot else triton.next_power_of_2(m)
@@ -68,6 +73,10 @@ class GemvConfig:
             not self.use_dot or weight_dtype != FP8_DTYPE or x_dtype not in (torch.float16, torch.bfloat16)
         ):
             return f"config {self}: float16 operands serve FP8 weights, 16-bit x and the DOT body"
+        if self.fp8_operands and (not self.use_dot or weight_dtype != FP8_DTYPE or self.fp16_operands):
+            return f"config {self}: FP8 operands serve FP8 weights and the DOT body"
+        if x_dtype == FP8_DTYPE and not self.fp8_operands:
+            return f"config {self}: x given as FP8 codes needs FP8 operands"
         return None
 
 
@@ -82,8 +91,36 @@ def _load_k_tile(rows, kk, k_end, row_ok, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _load_x_tile(x_rows, kk, k_end, m_ok, x_scale, QUANTIZE_X: tl.constexpr, EVEN_K: tl.constexpr):
+    """An activation tile; QUANTIZE_X: as e4m3 codes of the rows' scales."""
+    x = _load_k_tile(x_rows, kk, k_end, m_ok, EVEN_K)
+    if QUANTIZE_X:
+        x = to_e4m3(x, x_scale[:, None])
+    return x
+
+
+@triton.jit
+def _x_row_scales(x_rows, xs_ptr, rm, m_ok, K, X_CODES: tl.constexpr, QUANTIZE_X: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
+    """The rows' per-token scales: given (X_CODES), or amax / 448 over the whole row (QUANTIZE_X: every
+    program reads all of x, from L2, so that all splits and N blocks share one scale); else ones."""
+    if X_CODES:
+        scale = tl.load(xs_ptr + rm, mask=m_ok, other=1.0)
+    elif QUANTIZE_X:
+        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        rk = tl.arange(0, BLOCK_K)
+        for k0 in range(0, K, BLOCK_K):
+            x = _load_k_tile(x_rows, k0 + rk, K, m_ok, EVEN_K)
+            amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
+        scale = row_scale(amax)
+    else:
+        scale = tl.full((BLOCK_M,), 1.0, dtype=tl.float32)
+    return scale
+
+
+@triton.jit
 def _accumulate(acc, w, x, USE_DOT: tl.constexpr, W_AS_A: tl.constexpr, FP16_OPERANDS: tl.constexpr,
-                X_PRESCALE: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+                FP8_OPERANDS: tl.constexpr, X_PRESCALE: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     """acc += the tile's products: [BLOCK_M, BLOCK_N] (DOT; transposed with W_AS_A) or, FMA, the
     elementwise products [BLOCK_M, BLOCK_N, BLOCK_K] summed over K once at the end."""
     if USE_DOT:
@@ -92,7 +129,7 @@ def _accumulate(acc, w, x, USE_DOT: tl.constexpr, W_AS_A: tl.constexpr, FP16_OPE
                 x = x.to(tl.float32) * 0.00390625
             x = x.to(tl.float16)
             w = w.to(tl.float16)
-        else:
+        elif not FP8_OPERANDS:  # FP8 operands: codes times codes as they are
             w = w.to(x.dtype)
         if W_AS_A:
             acc += tl.dot(w, tl.trans(x), input_precision=PRECISION)
@@ -105,10 +142,11 @@ def _accumulate(acc, w, x, USE_DOT: tl.constexpr, W_AS_A: tl.constexpr, FP16_OPE
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, scale_ptr, out_ptr,
+    x_ptr, xs_ptr, w_ptr, scale_ptr, out_ptr,
     M, N, K, K_PER_SPLIT,
     stride_xm, stride_wn, stride_om, stride_os,
     HAS_SCALE: tl.constexpr, USE_DOT: tl.constexpr, W_AS_A: tl.constexpr, FP16_OPERANDS: tl.constexpr,
+    FP8_OPERANDS: tl.constexpr, X_CODES: tl.constexpr, QUANTIZE_X: tl.constexpr,
     X_PRESCALE: tl.constexpr, OUT_FACTOR: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -137,19 +175,24 @@ def _gemv_kernel(
         # that kernel finishes. x does, so it waits. (Without PDL the loop's own pipelining is faster.)
         w = _load_k_tile(w_rows, k_start + rk, k_end, n_ok, EVEN_K)
         wait_for_predecessor(USE_PDL)
-        x = _load_k_tile(x_rows, k_start + rk, k_end, m_ok, EVEN_K)
-        acc = _accumulate(acc, w, x, USE_DOT, W_AS_A, FP16_OPERANDS, X_PRESCALE, PRECISION)
+        x_scale = _x_row_scales(x_rows, xs_ptr, rm, m_ok, K, X_CODES, QUANTIZE_X, BLOCK_M, BLOCK_K, EVEN_K)
+        x = _load_x_tile(x_rows, k_start + rk, k_end, m_ok, x_scale, QUANTIZE_X, EVEN_K)
+        acc = _accumulate(acc, w, x, USE_DOT, W_AS_A, FP16_OPERANDS, FP8_OPERANDS, X_PRESCALE, PRECISION)
         k_loop += BLOCK_K
+    else:
+        x_scale = _x_row_scales(x_rows, xs_ptr, rm, m_ok, K, X_CODES, QUANTIZE_X, BLOCK_M, BLOCK_K, EVEN_K)
     for k0 in range(k_loop, k_end, BLOCK_K):
         w = _load_k_tile(w_rows, k0 + rk, k_end, n_ok, EVEN_K)
-        x = _load_k_tile(x_rows, k0 + rk, k_end, m_ok, EVEN_K)
-        acc = _accumulate(acc, w, x, USE_DOT, W_AS_A, FP16_OPERANDS, X_PRESCALE, PRECISION)
+        x = _load_x_tile(x_rows, k0 + rk, k_end, m_ok, x_scale, QUANTIZE_X, EVEN_K)
+        acc = _accumulate(acc, w, x, USE_DOT, W_AS_A, FP16_OPERANDS, FP8_OPERANDS, X_PRESCALE, PRECISION)
     if not USE_DOT:
         acc = tl.sum(acc, axis=2)
     elif W_AS_A:
         acc = tl.trans(acc)
     if OUT_FACTOR != 1.0:
         acc = acc * OUT_FACTOR
+    if FP8_OPERANDS:  # per-token scales: linear, so partial sums take them too
+        acc = acc * x_scale[:, None]
     out_mask = m_ok[:, None] & n_ok[None, :]
     if PARTIAL:
         tl.store(out_ptr + pid_k * stride_os + rm[:, None] * stride_om + rn[None, :], acc, mask=out_mask)
@@ -199,26 +242,30 @@ _MEASURED: dict[tuple[str, int, int, int], GemvConfig] = {
 }
 
 
-def measured_config(m: int, n: int, k: int, weight_dtype: torch.dtype) -> GemvConfig | None:
-    """The configuration measured fastest for this shape (None: not measured, or cuBLAS was faster)."""
+def measured_config(m: int, n: int, k: int, weight_dtype: torch.dtype, fp8_x: bool = False) -> GemvConfig | None:
+    """The configuration measured fastest for this shape (None: not measured, or cuBLAS was faster);
+    fp8_x: for x quantized to FP8 too (W8A8)."""
     if INTERPRETING or weight_dtype not in WEIGHT_DTYPES or not 1 <= m <= MAX_M:
         return None
     bucket = next(b for b in ROW_BUCKETS if b >= m)
-    return _MEASURED.get(("fp8" if weight_dtype == FP8_DTYPE else "16", bucket, n, k))
+    kind = ("w8a8" if fp8_x else "fp8") if weight_dtype == FP8_DTYPE else "16"
+    return _MEASURED.get((kind, bucket, n, k))
 
 
-def pick_config(m: int, n: int, k: int, weight_dtype: torch.dtype) -> GemvConfig:
+def pick_config(m: int, n: int, k: int, weight_dtype: torch.dtype, fp8_x: bool = False) -> GemvConfig:
     """The measured configuration for this shape, else a default. For FP8 codes the default is the
     configuration that came within 7% of the best on every measured shape and row count (the best on
     all but two): 64-row tiles with float16 operands, split 4 ways along K unless N alone gives enough
-    programs (N of 28672: 448 tiles)."""
-    found = measured_config(m, n, k, weight_dtype)
+    programs (N of 28672: 448 tiles). fp8_x: x quantized to FP8 as well (FP8 operands)."""
+    found = measured_config(m, n, k, weight_dtype, fp8_x)
     if found is not None:
         return found
     if INTERPRETING:
-        return GemvConfig(use_dot=m > FMA_MAX_M, block_n=16, block_k=64)
+        return GemvConfig(use_dot=m > FMA_MAX_M or fp8_x, block_n=16, block_k=64, fp8_operands=fp8_x)
     if weight_dtype == FP8_DTYPE:
         split = 1 if triton.cdiv(n, 64) >= 256 else 4
+        if fp8_x:
+            return GemvConfig(True, 64, 128, split, 4, 4, w_as_a=True, fp8_operands=True)
         return GemvConfig(True, 64, 128, split, 4, 4, fp16_operands=True)
     if m <= FMA_MAX_M:
         return GemvConfig(use_dot=False, block_n=max(1, 8 // triton.next_power_of_2(m)), block_k=512)
@@ -226,15 +273,18 @@ def pick_config(m: int, n: int, k: int, weight_dtype: torch.dtype) -> GemvConfig
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
-         config: GemvConfig | None = None) -> torch.Tensor:
-    """x [M, K] (M <= MAX_M; float16, bfloat16 or float32), weight [N, K] 16-bit or float8_e4m3fn, scale
-    [N] float32 for FP8 codes (None for a 16-bit weight) -> [M, N] in x's dtype."""
+         config: GemvConfig | None = None, x_scale: torch.Tensor | None = None,
+         out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [M, K] (M <= MAX_M; float16, bfloat16 or float32, or FP8 codes with per-row scales x_scale [M] or
+    [M, 1]), weight [N, K] 16-bit or float8_e4m3fn, scale [N] float32 for FP8 codes (None for a 16-bit
+    weight) -> [M, N] in out_dtype (default: x's dtype; needed for codes)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
     n = weight.shape[0]
-    _check(x, weight, scale, m, k, n)
-    cfg = config or pick_config(m, n, k, weight.dtype)
+    _check(x, weight, scale, m, k, n, x_scale, out_dtype)
+    x_codes = x.dtype == FP8_DTYPE
+    cfg = config or pick_config(m, n, k, weight.dtype, x_codes)
     if config is None and cfg.fp16_operands and x.dtype == torch.float32:
         cfg = replace(cfg, fp16_operands=False)  # float32 x keeps its precision
     problem = cfg.problem(m, weight.dtype, x.dtype)
@@ -242,19 +292,21 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
         raise ValueError(problem)
     prescale = cfg.fp16_operands and x.dtype == torch.bfloat16
     out_factor = 256.0 if prescale else 1.0
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     scale_arg = y if scale is None else scale.reshape(-1).float().contiguous()  # unread when HAS_SCALE is off
+    xs_arg = y if x_scale is None else x_scale.reshape(-1).float().contiguous()  # read with X_CODES only
     # Each split covers a whole number of blocks: only the last may run past K.
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     splits = triton.cdiv(k, k_per_split)
     partial = splits > 1
     out = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if partial else y
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), splits)](
-        x, weight, scale_arg, out, m, n, k, k_per_split, x.stride(0), weight.stride(0),
+        x, xs_arg, weight, scale_arg, out, m, n, k, k_per_split, x.stride(0), weight.stride(0),
         out.stride(-2), out.stride(0) if partial else 0,
         HAS_SCALE=scale is not None, USE_DOT=cfg.use_dot, W_AS_A=cfg.w_as_a, FP16_OPERANDS=cfg.fp16_operands,
+        FP8_OPERANDS=cfg.fp8_operands, X_CODES=x_codes, QUANTIZE_X=cfg.fp8_operands and not x_codes,
         X_PRESCALE=prescale, OUT_FACTOR=out_factor, PARTIAL=partial, EVEN_K=k % cfg.block_k == 0,
-        PRECISION=dot_precision(torch.float16 if cfg.fp16_operands else x.dtype),
+        PRECISION=dot_precision(torch.float16 if cfg.fp16_operands or cfg.fp8_operands else x.dtype),
         BLOCK_M=cfg.block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(),
     )  # fmt: skip
@@ -267,7 +319,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     return y
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, m: int, k: int, n: int) -> None:
+def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, m: int, k: int, n: int,
+           x_scale: torch.Tensor | None, out_dtype: torch.dtype | None) -> None:  # fmt: skip
     if not 1 <= m <= MAX_M:
         raise ValueError(f"gemv serves 1 to {MAX_M} rows, got {m}")
     if weight.dim() != 2 or weight.shape[1] != k or weight.dtype not in WEIGHT_DTYPES:
@@ -275,10 +328,16 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, m:
     if (weight.dtype == FP8_DTYPE) != (scale is not None) or (scale is not None and scale.numel() != n):
         raise ValueError(f"FP8 codes need N={n} scales and a 16-bit weight none, got {weight.dtype} with "
                          f"{None if scale is None else scale.numel()} scales")
+    if x.dtype == FP8_DTYPE and (x_scale is None or x_scale.numel() != m or out_dtype is None):
+        raise ValueError(f"x as FP8 codes needs M={m} row scales and an out_dtype")
+    if x.dtype != FP8_DTYPE and x_scale is not None:
+        raise ValueError(f"row scales go with x as FP8 codes, not {x.dtype}")
     check_last_dim_contiguous("weight", weight)
 
 
-def gemv_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """The same product in float64 (codes times scales), rounded to x's dtype once."""
+def gemv_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+                   x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The same product in float64 (codes times scales), rounded to out_dtype (default x's) once."""
     w = weight.double() if scale is None else weight.double() * scale.reshape(-1, 1).double()
-    return (x.double() @ w.t()).to(x.dtype)
+    xd = x.double() if x_scale is None else x.double() * x_scale.reshape(-1, 1).double()
+    return (xd @ w.t()).to(out_dtype or x.dtype)

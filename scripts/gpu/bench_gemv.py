@@ -29,7 +29,7 @@ from tokenspeed_kernels.gemv import (  # noqa: E402
     pick_config,
 )
 
-from app.worker.quantization.fp8 import quantize_rows  # noqa: E402
+from app.worker.quantization.fp8 import Fp8Rows, quantize_rows  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 ROTATE_BYTES = 256 << 20
@@ -38,9 +38,17 @@ FMA_TILES = {1: [(2, 2048), (4, 1024), (8, 512), (8, 1024), (16, 512)],
 DOT_TILES = [(16, 128, 4), (16, 256, 3), (16, 256, 4), (32, 128, 4), (32, 256, 3), (16, 512, 3), (64, 128, 4)]
 # The weight as operand A: a warpgroup's 64 rows per MMA, so wider N tiles.
 W_AS_A_TILES = [(64, 128, 4), (64, 256, 3), (64, 256, 4), (64, 512, 2), (128, 128, 3), (128, 256, 2), (32, 256, 3)]
+# W8A8 (FP8 operands: codes times codes on the tensor cores): tiles of one byte an element, so wider ones;
+# (block_n, block_k, stages, warps), the weight as operand A except where block_n < 64.
+W8A8_TILES = [(64, 128, 4, 4), (64, 256, 3, 4), (64, 256, 4, 4), (64, 512, 3, 4), (128, 128, 4, 4),
+              (128, 256, 3, 4), (128, 256, 3, 8), (256, 128, 3, 8), (32, 256, 4, 4), (16, 512, 3, 4)]
 
 
-def candidates(m: int, fp8: bool) -> list[GemvConfig]:
+def candidates(m: int, kind: str) -> list[GemvConfig]:
+    if kind == "w8a8":
+        return [GemvConfig(True, bn, bk, split, warps, stages, bn >= 64, fp8_operands=True)
+                for split in (1, 2, 4, 8) for bn, bk, stages, warps in W8A8_TILES]
+    fp8 = kind == "fp8"
     out = []
     for split in (1, 2, 4):
         if m in FMA_TILES:  # FP8 codes: one tile for reference (the FMA body converts every code in hardware)
@@ -53,20 +61,24 @@ def candidates(m: int, fp8: bool) -> list[GemvConfig]:
     return out
 
 
-def compile_all(groups: set[tuple[int, bool]], deadline: float) -> None:
+def compile_all(groups: set[tuple[int, str]], deadline: float) -> None:
     """Compile every candidate once on a small shape with the same specialisations (N and K multiples of
     16, K a multiple of every BLOCK_K), so that compile time does not eat the first shape's share."""
     dev = torch.device("cuda")
-    for m, fp8 in sorted(groups):
+    for m, kind in sorted(groups):
         w = torch.randn(256, 4096, device=dev) * 0.02
-        w, scale = quantize_rows(w) if fp8 else (w.to(torch.bfloat16), None)
+        w, scale = quantize_rows(w) if kind != "bf16" else (w.to(torch.bfloat16), None)
         scale = None if scale is None else scale.view(-1).float()
         x = torch.randn(m, 4096, device=dev).to(torch.bfloat16)
-        for cfg in candidates(m, fp8):
+        xq = Fp8Rows.of(x)
+        for cfg in candidates(m, kind):
             if time.monotonic() > deadline:
                 return
             try:
-                gemv(x, w, scale, cfg)
+                if kind == "w8a8":
+                    gemv(xq.codes, w, scale, cfg, xq.scales, torch.bfloat16)
+                else:
+                    gemv(x, w, scale, cfg)
             except Exception:  # noqa: BLE001, S112 (reported when the shapes are timed)
                 continue
     torch.cuda.synchronize()
@@ -92,49 +104,89 @@ def time_ms(fn, copies: int) -> float:
     return statistics.median(times)
 
 
-def sweep_shape(name: str, n: int, k: int, m: int, fp8: bool, deadline: float) -> dict:
+def rotated_weights(n: int, k: int, kind: str) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """Enough copies of an [n, k] weight (bf16, or FP8 codes with per-channel scales) to defeat the L2."""
     dev = torch.device("cuda")
-    bytes_per = n * k * (1 if fp8 else 2)
-    copies = max(8, -(-ROTATE_BYTES // bytes_per))
+    copies = max(8, -(-ROTATE_BYTES // (n * k * (2 if kind == "bf16" else 1))))
     ws, scales = [], []
     for i in range(copies):
         w = torch.randn(n, k, device=dev, generator=torch.Generator(dev).manual_seed(i)) * 0.02
-        if fp8:
+        if kind == "bf16":
+            ws.append(w.to(torch.bfloat16))
+            scales.append(None)
+        else:
             codes, scale = quantize_rows(w)
             ws.append(codes)
             scales.append(scale.view(-1).float())
-        else:
-            ws.append(w.to(torch.bfloat16))
-            scales.append(None)
         del w
+    return ws, scales
+
+
+def sweep_shape(name: str, n: int, k: int, m: int, kind: str, deadline: float) -> dict:
+    """Every candidate of `kind` on one shape: bf16 weights, FP8 weights with 16-bit x (fp8: W8A16), or
+    FP8 weights with x as FP8 codes (w8a8), each checked against the float64 product first."""
+    dev = torch.device("cuda")
+    ws, scales = rotated_weights(n, k, kind)
+    copies = len(ws)
     x = torch.randn(m, k, device=dev).to(torch.bfloat16)
-    ref = gemv_reference(x, ws[0], scales[0]).float()
-    row = {"layer": name, "n": n, "k": k, "m": m, "weights": "fp8" if fp8 else "bf16", "copies": copies}
-    if not fp8:
+    xq = Fp8Rows.of(x)
+    row = {"layer": name, "n": n, "k": k, "m": m, "weights": kind, "copies": copies}
+    if kind == "w8a8":
+        ref = gemv_reference(xq.codes, ws[0], scales[0], xq.scales, torch.bfloat16).float()
+
+        def run(cfg: GemvConfig | None, i: int, x16: bool = False) -> torch.Tensor:
+            if x16:  # 16-bit x, quantized by the kernel itself
+                return gemv(x, ws[i], scales[i], cfg)
+            return gemv(xq.codes, ws[i], scales[i], cfg, xq.scales, torch.bfloat16)
+    else:
+        ref = gemv_reference(x, ws[0], scales[0]).float()
+
+        def run(cfg: GemvConfig | None, i: int, x16: bool = False) -> torch.Tensor:
+            return gemv(x, ws[i], scales[i], cfg)
+    if kind == "bf16":
         row["cublas_ms"] = time_ms(lambda i: F.linear(x, ws[i]), copies)
     results = []
-    for cfg in candidates(m, fp8):
+    for cfg in candidates(m, kind):
         if time.monotonic() > deadline:
             row["cut_short"] = True
             break
         try:
-            got = gemv(x, ws[0], scales[0], cfg).float()
-            err = ((got - ref).norm() / ref.norm()).item()
+            err = ((run(cfg, 0).float() - ref).norm() / ref.norm()).item()
             if not err < 2e-2:
                 results.append({"config": cfg.__dict__, "error": f"relative error {err:.3g}"})
                 continue
-            results.append({"config": cfg.__dict__, "ms": time_ms(lambda i: gemv(x, ws[i], scales[i], cfg), copies)})  # noqa: B023
+            results.append({"config": cfg.__dict__, "ms": time_ms(lambda i: run(cfg, i), copies)})  # noqa: B023
         except Exception as exc:  # noqa: BLE001 (a config the compiler refuses is reported, not fatal)
             results.append({"config": cfg.__dict__, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
     timed = [r for r in results if "ms" in r]
-    default_cfg = pick_config(m, n, k, ws[0].dtype)
-    row["default_ms"] = time_ms(lambda i: gemv(x, ws[i], scales[i], default_cfg), copies)
+    row["default_ms"] = time_ms(lambda i: run(None, i), copies)
     if timed:
         best = min(timed, key=lambda r: r["ms"])
         row["best_ms"], row["best_config"] = best["ms"], best["config"]
-        row["best_tb_s"] = bytes_per / best["ms"] / 1e9
+        row["best_tb_s"] = n * k * (2 if kind == "bf16" else 1) / best["ms"] / 1e9
+    if kind == "w8a8":
+        add_w8a8_references(row, x, xq, ws, scales, run)
     row["sweep"] = results
     return row
+
+
+def add_w8a8_references(row: dict, x: torch.Tensor, xq: Fp8Rows, ws: list, scales: list, run) -> None:
+    """Beside the W8A8 GEMV: its best configuration quantizing 16-bit x itself, the W8A16 GEMV (FP8
+    codes cast to float16) and cuBLAS's FP8 GEMM on x padded to 16 rows, on the same weights; and
+    cuBLAS's bf16 linear on bf16 weights of the shape."""
+    copies, m = len(ws), x.shape[0]
+    if "best_config" in row:
+        best = GemvConfig(**row["best_config"])
+        row["best_quantize_in_kernel_ms"] = time_ms(lambda i: run(best, i, x16=True), copies)
+    row["w8a16_ms"] = time_ms(lambda i: gemv(x, ws[i], scales[i], pick_config(m, *ws[0].shape, ws[0].dtype)), copies)
+    padded = torch.zeros(16, x.shape[1], dtype=xq.codes.dtype, device=x.device)
+    padded[:m] = xq.codes
+    pad_scales = torch.ones(16, 1, device=x.device)
+    pad_scales[:m] = xq.scales
+    row["scaled_mm_16_rows_ms"] = time_ms(lambda i: torch._scaled_mm(
+        padded, ws[i].t(), scale_a=pad_scales, scale_b=scales[i].view(1, -1), out_dtype=torch.bfloat16), copies)
+    bf16_ws, _ = rotated_weights(*ws[0].shape, "bf16")
+    row["cublas_ms"] = time_ms(lambda i: F.linear(x, bf16_ws[i]), len(bf16_ws))
 
 
 def main() -> None:
@@ -142,46 +194,59 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--budget-s", type=float, default=240.0, help="stop sweeping after this long")
     parser.add_argument("--rows", default="1,4,8,16")
-    parser.add_argument("--weights", default="bf16,fp8")
+    parser.add_argument("--weights", default="bf16,fp8", help="of bf16, fp8 (W8A16), w8a8")
     args = parser.parse_args()
     t0 = time.monotonic()
     rows = []
     ms = [int(v) for v in args.rows.split(",")]
-    kinds = [w == "fp8" for w in args.weights.split(",")]
-    jobs = [(name, n, k, m, fp8) for fp8 in kinds for m in ms for name, (n, k) in SHAPES.items()]
-    compile_all({(m, fp8) for _, _, _, m, fp8 in jobs}, t0 + args.budget_s / 2)
-    for i, (name, n, k, m, fp8) in enumerate(jobs):
+    kinds = args.weights.split(",")
+    jobs = [(name, n, k, m, kind) for kind in kinds for m in ms for name, (n, k) in SHAPES.items()]
+    compile_all({(m, kind) for _, _, _, m, kind in jobs}, t0 + args.budget_s / 2)
+    for i, (name, n, k, m, kind) in enumerate(jobs):
         share = (args.budget_s - (time.monotonic() - t0)) / (len(jobs) - i)  # even share of what is left
-        rows.append(sweep_shape(name, n, k, m, fp8, time.monotonic() + share))
+        rows.append(sweep_shape(name, n, k, m, kind, time.monotonic() + share))
         torch.cuda.empty_cache()
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+    print_table(rows, ms)
+
+
+def print_table(rows: list[dict], ms: list[int]) -> None:
+    keys = {"bf16": "16", "fp8": "fp8", "w8a8": "w8a8"}
     print("_MEASURED = {")
     for r in rows:
         if "best_config" in r:
             c = r["best_config"]
-            faster = r["weights"] == "fp8" or r["best_ms"] < r["cublas_ms"]
-            print(f"    {'' if faster else '# cuBLAS faster: '}(\"{'fp8' if r['weights'] == 'fp8' else '16'}\", {r['m']}, "
-                  f"{r['n']}, {r['k']}): GemvConfig({c['use_dot']}, {c['block_n']}, {c['block_k']}, {c['split_k']}, "
-                  f"{c['num_warps']}, {c['num_stages']}, {c['w_as_a']}, {c['fp16_operands']}),")
+            faster = r["weights"] != "bf16" or r["best_ms"] < r["cublas_ms"]
+            print(f"    {'' if faster else '# cuBLAS faster: '}(\"{keys[r['weights']]}\", {r['m']}, {r['n']}, {r['k']}): "
+                  f"GemvConfig({c['use_dot']}, {c['block_n']}, {c['block_k']}, {c['split_k']}, {c['num_warps']}, "
+                  f"{c['num_stages']}, {c['w_as_a']}, {c['fp16_operands']}, {c['fp8_operands']}),")
     print("}")
     cublas = {(r["layer"], r["m"]): r["cublas_ms"] for r in rows if "cublas_ms" in r}
-    print("| weights | m | layer | best ms | TB/s | default ms | cuBLAS bf16 ms | best / cuBLAS time | configs timed |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    nan = float("nan")
+    print("| weights | m | layer | best ms | TB/s | default ms | W8A8 quantizing x itself ms | W8A16 ms | "
+          "_scaled_mm 16 rows ms | cuBLAS bf16 ms | best / cuBLAS time | configs timed |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         timed = sum("ms" in s for s in r["sweep"])
-        base = cublas.get((r["layer"], r["m"]), float("nan"))
-        print(f"| {r['weights']} | {r['m']} | {r['layer']} | {r.get('best_ms', float('nan')):.4f} | "
-              f"{r.get('best_tb_s', float('nan')):.2f} | {r['default_ms']:.4f} | {base:.4f} | "
-              f"{r.get('best_ms', float('nan')) / base:.2f} | {timed}/{len(r['sweep'])}{' cut' if r.get('cut_short') else ''} |")
-    for weights in ("bf16", "fp8"):
+        base = cublas.get((r["layer"], r["m"]), nan)
+        print(f"| {r['weights']} | {r['m']} | {r['layer']} | {r.get('best_ms', nan):.4f} | "
+              f"{r.get('best_tb_s', nan):.2f} | {r['default_ms']:.4f} | {r.get('best_quantize_in_kernel_ms', nan):.4f} | "
+              f"{r.get('w8a16_ms', nan):.4f} | {r.get('scaled_mm_16_rows_ms', nan):.4f} | {base:.4f} | "
+              f"{r.get('best_ms', nan) / base:.2f} | {timed}/{len(r['sweep'])}{' cut' if r.get('cut_short') else ''} |")
+    for weights in ("bf16", "fp8", "w8a8"):
         for m in ms:
             sel = [r for r in rows if r["weights"] == weights and r["m"] == m and "best_ms" in r]
             if len(sel) == len(SHAPES):
                 best = 32 * sum(r["best_ms"] for r in sel)
-                base = 32 * sum(cublas.get((r["layer"], m), float("nan")) for r in sel)
+                base = 32 * sum(cublas.get((r["layer"], m), nan) for r in sel)
+                extra = ""
+                if weights == "w8a8":
+                    own = 32 * sum(r.get("best_quantize_in_kernel_ms", nan) for r in sel)
+                    w8a16 = 32 * sum(r["w8a16_ms"] for r in sel)
+                    extra = f"; quantizing x itself {own:.3f} ms; W8A16 GEMV {w8a16:.3f} ms"
                 print(f"step GEMVs ({weights} weights, m={m}, 32 layers, no lm_head): best {best:.3f} ms vs "
-                      f"cuBLAS bf16 {base:.3f} ms")
+                      f"cuBLAS bf16 {base:.3f} ms{extra}")
 
 
 if __name__ == "__main__":

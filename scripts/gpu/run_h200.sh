@@ -18,6 +18,8 @@
 #                            where the host's time goes in an eager prefill: ~50 s
 #   profile_prefill          8 requests of 1024 in / 1 out in process, one prefill a step (pipelined), torch.profiler
 #                            over 3 of them: each kernel's GPU time, the GPU's busy share (the prefill's TFLOP/s): ~40 s
+#   profile_b1_fp8           1 request of 512 in / 256 out, FP8 weights, torch.profiler over 20 decode steps: each
+#                            kernel's GPU time at batch 1 (the FP8 batch-1 goal): ~40 s
 #   profile_b4               4 requests of 1024 in / 256 out in process, torch.profiler over 20 decode steps: each
 #                            kernel's GPU time and calls, and the GPU's busy share (4-stream TPOT): ~50 s
 #   latency_pdl              its GPU tests, then batch 1 and 4 (and batch 1 with FP8 weights), flashinfer, the
@@ -38,8 +40,8 @@
 #                            bf16 and FP8 KV, batch 1 to 384: time and KV read rate vs the copy bandwidth: ~90 s
 #   attn_sweep               the Triton decode kernel's tile, warps, stages and split count (ATTN_CONFIGS) at
 #                            ATTN_CASES (BATCHxCONTEXT,...), both caches: ~90 s
-#   gemv                     decode-sized GEMVs (kernels/gemv.py) swept per 8B shape and row count, bf16 and FP8
-#                            weights, against cuBLAS and the old FP8 GEMV: GEMV_BUDGET (200) s + ~40 s
+#   gemv                     decode-sized GEMVs (kernels/gemv.py) swept per 8B shape and row count (GEMV_ROWS),
+#                            GEMV_WEIGHTS of bf16, fp8 (W8A16), w8a8, against cuBLAS: GEMV_BUDGET (200) s + ~40 s
 #   elementwise              rotary + KV write per heads-a-program, RMSNorm and SiLU-and-mul with and without the
 #                            fused FP8 quantization, quantize_rows: time and share of the copy bandwidth at 512 and
 #                            8704 rows (bench_elementwise.py): ~40 s
@@ -48,6 +50,7 @@
 #                            caches, graphs vs eager) and of the pipelined steps (PDL included): ~60 s
 #   tests_fi_decode          the flashinfer backend's decode kernels (xqa included) against torch: ~30 s + JIT
 #   tests_fp8kv              GPU tests of the FP8 KV backends, flashinfer sampling and FP8 GEMMs: ~150 s
+#   tests_fp8w               GPU tests of the FP8 weights' GEMMs, GEMV and fused quantization: ~90 s
 #   tests_tp latency_tp      two GPUs (nvidia-h200-x2): TP=2 GPU tests; batch-1 decode at TP=1 and TP=2
 #   serving_dp               two GPUs: the appliance at 1 replica, then --data-parallel-size 2: ~300 s
 # A stage that cannot finish before DEADLINE is skipped rather than cut (offline_1000*), so give each
@@ -61,7 +64,7 @@ export PYTHONUNBUFFERED=1
 MODEL=configs/models/llama-3.1-8b
 STAGES=${*:-roofline latency_triton tests latency_flashinfer latency_b32 offline hf tests_8b}
 KNOWN=" roofline latency_triton tests latency_flashinfer latency_b4 latency_pdl pieces latency_b32 offline offline_no_overlap latency_fp8 kv_pool \
-offline_1000 offline_1000_g512 offline_1000_fp8 offline_1000_fp8kv offline_b1 profile_prefill profile_b4 pyspy_b4 pyspy_prefill hf tests_8b idle serving serving_eager_prefill tests_tp latency_tp serving_dp tests_fp8kv tests_decode tests_fi_decode tests_gemv gemv attn attn_sweep elementwise "
+offline_1000 offline_1000_g512 offline_1000_fp8 offline_1000_fp8kv offline_b1 profile_prefill profile_b1_fp8 profile_b4 pyspy_b4 pyspy_prefill hf tests_8b idle serving serving_eager_prefill tests_tp latency_tp serving_dp tests_fp8kv tests_fp8w tests_decode tests_fi_decode tests_gemv gemv attn attn_sweep elementwise "
 SERVING_MORE="stagger:4:0.5:32:128 b1:1:0:3:256"  # the serving stages' benchmarks after the first (serve_and_bench.sh)
 for s in $STAGES; do  # every name checked before anything runs
   [[ $KNOWN == *" $s "* ]] || { echo "unknown stage $s; known:$KNOWN"; exit 2; }
@@ -166,6 +169,8 @@ for s in $STAGES; do
     offline_b1) wait $WARM; run_offline offline_b1 120 --num-requests 1 --input-len 1024 --output-len 512 --max-num-seqs 8 ;;
     profile_prefill) wait $WARM; run_offline profile_prefill 120 --num-requests 8 --input-len 1024 --output-len 1 \
       --max-num-seqs 2 --chunked-prefill-size 1024 --profile-steps 4:3 ;;
+    profile_b1_fp8) wait $WARM; run_offline profile_b1_fp8 120 --num-requests 1 --input-len 512 --output-len 256 \
+      --max-num-seqs 1 --quantization fp8 --profile-steps 100:20 ;;
     profile_b4) wait $WARM; run_offline profile_b4 120 --num-requests 4 --input-len 1024 --output-len 256 --max-num-seqs 4 \
       --profile-steps 100:20 ;;
     pyspy_b4) wait $WARM; stage pyspy_b4 150 py-spy record --idle --nonblocking -r 500 -f raw \
@@ -210,9 +215,11 @@ for s in $STAGES; do
       --triton-configs "${ATTN_CONFIGS:-64:4:3,64:4:2,64:8:3,128:8:2,32:4:3}" \
       --sweep-cases "${ATTN_CASES:-384x1500,64x1500}" ;;
     gemv) stage gemv $((${GEMV_BUDGET:-200} + 60)) python3 scripts/gpu/bench_gemv.py --budget-s "${GEMV_BUDGET:-200}" \
-      --weights "${GEMV_WEIGHTS:-bf16,fp8}" \
+      --weights "${GEMV_WEIGHTS:-bf16,fp8}" --rows "${GEMV_ROWS:-1,4,8,16}" \
       --json "$RUN/gemv.json" ;;
     elementwise) stage elementwise 150 python3 scripts/gpu/bench_elementwise.py --json "$RUN/elementwise.json" ;;
+    tests_fp8w) stage tests_fp8w 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_gpu.py \
+      tests/gpu/test_gemv_gpu.py ;;
     tests_gemv) stage tests_gemv 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gemv_gpu.py \
       tests/gpu/test_pipeline_gpu.py ;;
     tests_fi_decode) wait $WARM; stage tests_fi_decode 200 python3 -m pytest -q -s -p no:cacheprovider \

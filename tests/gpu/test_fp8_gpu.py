@@ -103,11 +103,8 @@ def test_scaled_mm_matches_the_emulated_gemm(m: int, static: bool) -> None:
     backend = fp8_gemm_here()
     if torch.cuda.get_device_capability(CUDA) >= (9, 0):
         assert backend == SCALED_MM_ROWWISE
-    got = fp8_linear(*args, backend)
-    if m <= GEMV_MAX_ROWS:  # decode sizes: the weight-only GEMV, activations not quantized
-        want = gemv_reference(x, w_codes, w_scale) + bias
-    else:
-        want = fp8_linear(*args, EMULATED)
+    got = fp8_linear(*args, backend)  # decode sizes (m <= GEMV_MAX_ROWS): the W8A8 GEMV
+    want = fp8_linear(*args, EMULATED)
     assert got.dtype == torch.bfloat16 and got.shape == (m, 384)
     assert relative_error(got, want) < 1e-2  # bf16 outputs, different summation order
 
@@ -176,18 +173,18 @@ def test_fp8_model_on_cuda_uses_scaled_mm_and_matches_the_emulated_path(tmp_path
 def test_fp8_model_hands_quantized_rows_over_with_the_same_logits(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Norms and SiLU-and-mul quantizing their outputs for the FP8 GEMMs (more than GEMV_MAX_ROWS rows)
-    give the logits of quantizing inside each linear, bit for bit."""
+    """Norms and SiLU-and-mul quantizing their outputs for the FP8 GEMMs (cuBLAS beyond GEMV_MAX_ROWS
+    rows, the W8A8 GEMV up to it) give the logits of quantizing inside each linear, bit for bit."""
     model_dir = build_tiny_model("llama", tmp_path, seed=5, initializer_range=0.1)
     runner = ModelRunner(settings(model_dir, quantization="fp8", block_size=4), CUDA)
-    prompts = prompts_for(runner.vocab_size, [GEMV_MAX_ROWS + 1, 60])
+    prompts = prompts_for(runner.vocab_size, [3, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 60])
     inputs: list[bool] = []
     project = Linear.project
     monkeypatch.setattr(Linear, "project", lambda self, x, bias: inputs.append(isinstance(x, Fp8Rows))
                         or project(self, x, bias))  # fmt: skip
     handed_over = torch.cat(prefill_logits_cuda(runner, prompts))
     assert sum(inputs) == 3 * len(inputs) // 4  # all but o_proj's
-    monkeypatch.setattr(Linear, "takes_quantized_rows", lambda self, rows: False)
+    monkeypatch.setattr(Linear, "takes_quantized_rows", lambda self: False)
     inputs.clear()
     assert torch.equal(handed_over, torch.cat(prefill_logits_cuda(runner, prompts)))
     assert inputs and not any(inputs)

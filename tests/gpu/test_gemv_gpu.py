@@ -1,5 +1,6 @@
 """kernels/gemv.py on CUDA (skipped without it), in bfloat16 (the interpreter has none): every loop body,
-split-K and the configurations measured for the 8B shapes against a float64 reference, and the 16-bit
+split-K and the configurations measured for the 8B shapes against a float64 reference (FP8 weights with
+16-bit x, and W8A8: x as FP8 codes too), and the 16-bit
 Linear's dispatch (the GEMV where it was measured faster than cuBLAS, torch's linear elsewhere) giving
 the same numbers as torch's linear to bf16 rounding."""
 
@@ -30,6 +31,12 @@ CONFIGS = [
     GemvConfig(use_dot=True, block_n=64, block_k=128, split_k=4, fp16_operands=True),
 ]
 
+W8A8_CONFIGS = [
+    None,
+    GemvConfig(use_dot=True, block_n=64, block_k=256, split_k=4, w_as_a=True, fp8_operands=True),
+    GemvConfig(use_dot=True, block_n=128, block_k=256, split_k=2, num_warps=8, w_as_a=True, fp8_operands=True),
+    GemvConfig(use_dot=True, block_n=32, block_k=256, split_k=2, fp8_operands=True),
+]
 
 
 def weight_dtype(fp8: bool) -> torch.dtype:
@@ -52,6 +59,23 @@ def test_gemv_in_bf16_matches_float64(n: int, k: int, m: int, config: int, fp8: 
     assert relative_error(gemv(x, w, scale, cfg), gemv_reference(x, w, scale)) < 1e-2
 
 
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("config", range(len(W8A8_CONFIGS)))
+def test_w8a8_gemv_in_bf16_matches_float64(n: int, k: int, m: int, config: int) -> None:
+    """x as FP8 codes times FP8 codes on the tensor cores; 16-bit x quantized by the kernel itself gives
+    the same output bit for bit (quantize_rows' codes and scales)."""
+    cfg = W8A8_CONFIGS[config] or pick_config(m, n, k, torch.float8_e4m3fn, fp8_x=True)
+    gen = torch.Generator(device=CUDA).manual_seed(n + m)
+    w, scale = quantize_rows(torch.randn(n, k, generator=gen, device=CUDA) * 0.02)
+    x = torch.randn(m, k, generator=gen, device=CUDA).to(torch.bfloat16)
+    codes, x_scale = quantize_rows(x)
+    got = gemv(codes, w, scale.view(-1), cfg, x_scale, torch.bfloat16)
+    want = gemv_reference(codes, w, scale.view(-1), x_scale, torch.bfloat16)
+    assert relative_error(got, want) < 1e-2
+    assert torch.equal(gemv(x, w, scale.view(-1), cfg), got)
+
+
 @pytest.mark.parametrize("m", [1, 4, 8, 16, 17])
 def test_linear_gives_torch_linear_numbers(m: int) -> None:
     torch.manual_seed(m)
@@ -66,24 +90,25 @@ def test_linear_gives_torch_linear_numbers(m: int) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability(CUDA) < (9, 0),
                     reason="programmatic dependent launch needs compute capability 9.0")
-@pytest.mark.parametrize("fp8", [False, True])
-def test_gemv_after_a_norm_under_pdl_in_a_graph_gives_the_plain_numbers(fp8: bool) -> None:
+@pytest.mark.parametrize("kind", ["bf16", "fp8", "w8a8"])
+def test_gemv_after_a_norm_under_pdl_in_a_graph_gives_the_plain_numbers(kind: str) -> None:
     """The GEMV loads its first weight tile before waiting for the kernel before it (the norm that writes
-    its x): replayed in a graph, PDL on must give the plain launches' bits."""
+    its x; W8A8: x's amax pass too): replayed in a graph, PDL on must give the plain launches' bits."""
     from tokenspeed_kernels.common import set_pdl
     from tokenspeed_kernels.rmsnorm import rms_norm
 
     gen = torch.Generator(device=CUDA).manual_seed(7)
     norm_weight = torch.rand(4096, generator=gen, device=CUDA).to(torch.bfloat16)
     w = torch.randn(6144, 4096, generator=gen, device=CUDA) * 0.02
-    w, scale = quantize_rows(w) if fp8 else (w.to(torch.bfloat16), None)
+    w, scale = (w.to(torch.bfloat16), None) if kind == "bf16" else quantize_rows(w)
     scale = None if scale is None else scale.view(-1)
+    cfg = pick_config(1, 6144, 4096, w.dtype, fp8_x=kind == "w8a8")
     hidden = torch.zeros(1, 4096, device=CUDA, dtype=torch.bfloat16)
     outputs = []
     for pdl in (False, True):
         set_pdl(pdl)
         try:
-            chain = lambda: [gemv(rms_norm(hidden, norm_weight, 1e-5), w, scale) for _ in range(8)]  # noqa: E731
+            chain = lambda: [gemv(rms_norm(hidden, norm_weight, 1e-5), w, scale, cfg) for _ in range(8)]  # noqa: E731
             chain()  # compile outside the capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):

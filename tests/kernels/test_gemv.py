@@ -22,7 +22,7 @@ from tokenspeed_kernels.gemv import (
 )
 
 from app.worker.quantization import fp8_linear
-from app.worker.quantization.fp8 import quantize_rows
+from app.worker.quantization.fp8 import Fp8Rows, quantize, quantize_rows
 from app.worker.quantization.gemm import SCALED_MM_ROWWISE, SCALED_MM_TENSORWISE
 from tests.support.numerics import relative_error
 
@@ -108,14 +108,62 @@ def test_gemv_refuses_what_it_does_not_serve() -> None:
         gemv(torch.randn(8, 32), w, scale, GemvConfig(use_dot=False, block_n=4, block_k=32))
 
 
+W8A8_CONFIGS = {
+    "default": None,
+    "weight as operand A, split 3": GemvConfig(use_dot=True, block_n=16, block_k=32, split_k=3, w_as_a=True,
+                                               fp8_operands=True),
+    "x as operand A, split 2": GemvConfig(use_dot=True, block_n=16, block_k=32, split_k=2, fp8_operands=True),
+}
+
+
+@pytest.mark.parametrize("config", list(W8A8_CONFIGS))
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
+def test_w8a8_gemv_multiplies_codes_by_codes(m: int, n: int, k: int, config: str) -> None:
+    """x as FP8 codes with per-row scales: the float64 product of the dequantized x and weight, rounded
+    once (the products of codes are exact in float32; only the float32 sums round). 16-bit x quantized by
+    the kernel itself gives quantize_rows' codes and scales: the same output, bit for bit."""
+    cfg = W8A8_CONFIGS[config]
+    w, scale = weight(n, k, seed=m + n, fp8=True)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(torch.float16) * 3
+    codes, x_scale = quantize_rows(x)
+    got = gemv(codes, w, scale, cfg, x_scale, torch.float16)
+    assert got.dtype == torch.float16 and got.shape == (m, n)
+    assert relative_error(got, gemv_reference(codes, w, scale, x_scale, torch.float16)) < REL_TOL[torch.float16]
+    own = cfg or pick_config(m, n, k, w.dtype, fp8_x=True)
+    assert torch.equal(gemv(x, w, scale, own), got)
+
+
+def test_w8a8_gemv_refuses_codes_without_their_scales() -> None:
+    w, scale = weight(16, 32, seed=0, fp8=True)
+    codes, x_scale = quantize_rows(torch.randn(2, 32))
+    with pytest.raises(ValueError, match="M=2 row scales and an out_dtype"):
+        gemv(codes, w, scale, None, None, torch.float16)
+    with pytest.raises(ValueError, match="M=2 row scales and an out_dtype"):
+        gemv(codes, w, scale, None, x_scale)
+    with pytest.raises(ValueError, match="row scales go with x as FP8 codes"):
+        gemv(torch.randn(2, 32), w, scale, None, x_scale)
+    with pytest.raises(ValueError, match="needs FP8 operands"):
+        gemv(codes, w, scale, GemvConfig(use_dot=True, block_n=16, block_k=32), x_scale, torch.float16)
+    with pytest.raises(ValueError, match="FP8 operands serve FP8 weights"):
+        gemv(torch.randn(2, 32), w.float().half(), None, GemvConfig(True, 16, 32, fp8_operands=True))
+
+
 @pytest.mark.parametrize("backend", [SCALED_MM_ROWWISE, SCALED_MM_TENSORWISE])
-def test_decode_sized_batches_take_the_weight_only_gemv(backend: str) -> None:
-    """Up to GEMV_MAX_ROWS rows the FP8-capable backends multiply unquantized activations by the FP8
-    weights (W8A16): the float64 product of x and the dequantized weights, rounded once."""
+def test_decode_sized_batches_take_the_w8a8_gemv(backend: str) -> None:
+    """Up to GEMV_MAX_ROWS rows the FP8-capable backends run the GEMV on x quantized per token (W8A8, the
+    numbers of the larger batches): quantized inside, or handed over as Fp8Rows, bit for bit the same;
+    a static input scale quantizes x before the GEMV."""
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(5, 64, generator=gen).to(torch.float16)
     w_codes, w_scale = quantize_rows(torch.randn(32, 64, generator=gen))
     bias = torch.randn(32, generator=gen).to(torch.float16)
     got = fp8_linear(x, w_codes, w_scale.view(1, -1), None, bias, backend)
-    want = gemv_reference(x, w_codes, w_scale.view(-1)) + bias
+    x_codes, x_scale = quantize_rows(x)
+    want = gemv_reference(x_codes, w_codes, w_scale.view(-1), x_scale, torch.float16) + bias
     assert torch.allclose(got.float(), want.float(), rtol=2**-9, atol=2e-3)
+    handed = fp8_linear(Fp8Rows.of(x), w_codes, w_scale.view(1, -1), None, bias, backend)
+    assert torch.equal(handed, got)
+    static = torch.tensor(0.05)
+    got_static = fp8_linear(x, w_codes, w_scale.view(1, -1), static, None, backend)
+    want_static = gemv_reference(quantize(x, static), w_codes, w_scale.view(-1), static.expand(5), torch.float16)
+    assert torch.allclose(got_static.float(), want_static.float(), rtol=2**-9, atol=2e-3)

@@ -399,7 +399,7 @@ def test_norms_and_activations_hand_their_output_over_quantized(
     monkeypatch.setattr(Linear, "project", recording_project)
     handed_over = torch.cat(prefill_logits(runner.model, prompts(model_dir)))
     assert inputs == {"qkv_proj": True, "o_proj": False, "gate_up_proj": True, "down_proj": True}
-    monkeypatch.setattr(Linear, "takes_quantized_rows", lambda self, rows: False)
+    monkeypatch.setattr(Linear, "takes_quantized_rows", lambda self: False)
     quantized_inside = torch.cat(prefill_logits(runner.model, prompts(model_dir)))
     assert not any(inputs.values())
     assert torch.equal(handed_over, quantized_inside)

@@ -92,10 +92,10 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         return self.project(x, self.bias)
 
-    def takes_quantized_rows(self, rows: int) -> bool:
-        """Whether this layer quantizes an input of `rows` rows per token itself (FP8 weights, dynamic
+    def takes_quantized_rows(self) -> bool:
+        """Whether this layer quantizes its input per token itself (FP8 weights, dynamic
         activation scales): the kernel that makes the input may then hand it over quantized."""
-        return self.quant is not None and self.quant.takes_quantized_rows(self, rows)
+        return self.quant is not None and self.quant.takes_quantized_rows()
 
     def project(self, x: torch.Tensor | Fp8Rows, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant is not None:

@@ -132,8 +132,8 @@ class DenseMLP(nn.Module):
 
     def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        quantize = self.down_proj.takes_quantized_rows(gate_up.shape[0])  # FP8: SiLU's output comes quantized
-        return self.down_proj(self.act(gate_up, quantize))
+        # FP8: SiLU's output comes quantized
+        return self.down_proj(self.act(gate_up, self.down_proj.takes_quantized_rows()))
 
 
 class DenseDecoderLayer(nn.Module):
@@ -151,14 +151,13 @@ class DenseDecoderLayer(nn.Module):
         first layer, whose input is the embedding). Returns this layer's MLP output and the stream
         before it. The adds are transformers' (in the activation dtype), each fused into the norm
         that follows it."""
-        rows = hidden.shape[0]
-        quantize = self.self_attn.qkv_proj.takes_quantized_rows(rows)  # FP8: the norm's output comes quantized
+        quantize = self.self_attn.qkv_proj.takes_quantized_rows()  # FP8: the norm's output comes quantized
         if residual is None:
             residual, normed = hidden, self.input_layernorm(hidden, quantize)
         else:
             normed, residual = self.input_layernorm.add_forward(hidden, residual, quantize)
         attn_out = self.self_attn(normed, rope, attn)
-        quantize = self.mlp.gate_up_proj.takes_quantized_rows(rows)
+        quantize = self.mlp.gate_up_proj.takes_quantized_rows()
         normed, residual = self.post_attention_layernorm.add_forward(attn_out, residual, quantize)
         return self.mlp(normed), residual
 

@@ -8,10 +8,9 @@ Two implementations of the same numbers:
   operand column-major: the [N, K] row-major weight transposed is exactly that, without a copy;
   K and N must be multiples of 16 (layers that are not fall back to EMULATED).
   Decode-sized batches (<= GEMV_MAX_ROWS rows) are bound by reading the weights, and cuBLAS's FP8
-  GEMM is slow there: they run kernels/gemv.py instead, which reads the codes once and multiplies
-  them, cast in registers (to float16 for 16-bit activations: see that module), with the unquantized
-  activations (W8A16: no per-token quantize, at least the W8A8 path's accuracy; static input scales
-  are not applied).
+  GEMM is slow there: they run kernels/gemv.py instead, which streams the codes once and multiplies
+  them by the activations' codes on the FP8 tensor cores (the same W8A8 numbers: per-token scales,
+  computed by the GEMV itself when the input comes unquantized, or the static input scale).
 - EMULATED: anywhere else (CPU, older GPUs): the codes cast to the activation dtype (exact: every
   e4m3 value is a bf16/fp16/fp32 value), one matmul, the scales applied in float32. The activations
   go through the same FP8 rounding, so CPU tests see the numerics the GPU runs.
@@ -21,7 +20,7 @@ from __future__ import annotations
 
 import torch
 from tokenspeed_kernels.fp8_quant import quantize_rows as fused_quantize_rows
-from tokenspeed_kernels.gemv import MAX_M, gemv
+from tokenspeed_kernels.gemv import MAX_M, gemv, pick_config
 
 from app.worker.quantization.fp8 import FP8_DTYPE, Fp8Rows, quantize, quantize_rows
 
@@ -29,7 +28,7 @@ SCALED_MM_ROWWISE = "scaled_mm_rowwise"  # SM90+
 SCALED_MM_TENSORWISE = "scaled_mm_tensorwise"  # SM89
 EMULATED = "emulated"
 BACKENDS = (SCALED_MM_ROWWISE, SCALED_MM_TENSORWISE, EMULATED)
-# Up to this many rows the _scaled_mm backends run the weight-only FP8 GEMV instead (kernels/gemv.py).
+# Up to this many rows the _scaled_mm backends run the FP8 GEMV instead (kernels/gemv.py).
 GEMV_MAX_ROWS = MAX_M
 
 
@@ -52,13 +51,10 @@ def quantize_input(x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[t
     return quantize(x, input_scale), scale
 
 
-def takes_quantized_rows(backend: str, rows: int, static_input: bool) -> bool:
-    """Whether fp8_linear quantizes an input of `rows` rows per token (W8A8 with dynamic scales): the
-    kernel that makes that input may then hand it over quantized (Fp8Rows), saving a launch and a pass
-    over the activations. Decode-sized batches on the GPU run the weight-only GEMV instead."""
-    if static_input:
-        return False
-    return backend == EMULATED or rows > GEMV_MAX_ROWS
+def takes_quantized_rows(static_input: bool) -> bool:
+    """Whether fp8_linear quantizes its input per token (dynamic scales): the kernel that makes that input
+    may then hand it over quantized (Fp8Rows), saving a launch and a pass over the activations."""
+    return not static_input
 
 
 def fp8_linear(
@@ -78,8 +74,9 @@ def fp8_linear(
         y = _product(x.codes.reshape(-1, k), x.scales.reshape(-1, 1), weight, weight_scale, x.dtype, backend)
     else:
         lead, rows = x.shape[:-1], x.reshape(-1, x.shape[-1])
-        if backend in (SCALED_MM_ROWWISE, SCALED_MM_TENSORWISE) and rows.shape[0] <= GEMV_MAX_ROWS:
-            y = _weight_only(rows, weight, weight_scale)
+        if input_scale is None and _runs_gemv(backend, rows.shape[0]):  # the GEMV quantizes x itself
+            m, (n, k) = rows.shape[0], weight.shape
+            y = gemv(rows.contiguous(), weight, weight_scale, pick_config(m, n, k, weight.dtype, fp8_x=True))
         else:
             xq, x_scale = quantize_input(rows, input_scale)
             y = _product(xq, x_scale, weight, weight_scale, rows.dtype, backend)
@@ -92,6 +89,8 @@ def _product(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weig
              dtype: torch.dtype, backend: str) -> torch.Tensor:  # fmt: skip
     """W8A8: codes [M, K] with scales [M, 1] (per token, or the static scale) times the weight, by the
     backend's GEMM, in dtype."""
+    if _runs_gemv(backend, xq.shape[0]):
+        return gemv(xq.contiguous(), weight, weight_scale, x_scale=x_scale, out_dtype=dtype)
     if backend == SCALED_MM_ROWWISE:
         return _scaled_mm_rowwise(xq, x_scale, weight, weight_scale, dtype)
     if backend == SCALED_MM_TENSORWISE:
@@ -101,9 +100,9 @@ def _product(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weig
     raise ValueError(f"unknown FP8 GEMM backend {backend!r}")
 
 
-def _weight_only(rows: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    """Decode-sized batches: the FP8-weight GEMV (activations unquantized; see the module docstring)."""
-    return gemv(rows, weight, weight_scale)
+def _runs_gemv(backend: str, rows: int) -> bool:
+    """Decode-sized batches on FP8 tensor cores run the GEMV (see the module docstring)."""
+    return backend in (SCALED_MM_ROWWISE, SCALED_MM_TENSORWISE) and rows <= GEMV_MAX_ROWS
 
 
 def _emulated(

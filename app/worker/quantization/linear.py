@@ -197,9 +197,9 @@ class Fp8LinearMethod:
 
     # ------------------------------------------------------------------ forward
 
-    def takes_quantized_rows(self, layer: nn.Module, rows: int) -> bool:
-        """Whether apply() would quantize an input of `rows` rows per token: it may come as Fp8Rows."""
-        return takes_quantized_rows(layer.fp8_backend, rows, self.scheme.static_activations)
+    def takes_quantized_rows(self) -> bool:
+        """Whether apply() quantizes its input per token: it may come as Fp8Rows."""
+        return takes_quantized_rows(self.scheme.static_activations)
 
     def apply(self, layer: nn.Module, x: torch.Tensor | Fp8Rows, bias: torch.Tensor | None) -> torch.Tensor:
         input_scale = layer.input_scale if self.scheme.static_activations else None

@@ -23,6 +23,7 @@ waiting for the kernel before it: weights depend on no kernel, so they stream in
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -37,7 +38,6 @@ from .common import (
     pdl_options,
     wait_for_predecessor,
 )
-from .fp8_quant import row_scale, to_e4m3
 
 MAX_M = 16
 FMA_MAX_M = 4
@@ -57,10 +57,14 @@ class GemvConfig:
     # codes cast to bfloat16 stream at about half the rate of a cast to float16 (one hardware conversion
     # per two codes); a float16 built from the codes' bits by integer instructions measured slower still.
     fp16_operands: bool = False
-    # DOT with FP8 codes: x quantized per token to e4m3 too (W8A8), so the tensor cores multiply codes by
-    # codes with no conversion in registers; x comes as codes with per-row scales, or 16-bit and
-    # quantized by each program (the row's amax, then its codes: quantize_rows' numbers).
+    # DOT with FP8 codes: x comes quantized per token to e4m3 too (W8A8: codes with per-row scales), so the
+    # tensor cores multiply codes by codes with no conversion in registers. (x quantized by each program
+    # itself measured several times slower: every program must read all of x for the scales first.)
     fp8_operands: bool = False
+    # Under PDL: before waiting for the kernel before it, each program asks the L2 to fetch the first
+    # prefetch_k elements of its weight rows (one bulk prefetch a row, Hopper), so that they stream in
+    # while that kernel (a norm, the attention) still runs. 0: only the first tile is loaded early.
+    prefetch_k: int = 0
 
     def block_m(self, m: int) -> int:
         return 16 if self.use_dot else triton.next_power_of_2(m)
@@ -69,14 +73,16 @@ class GemvConfig:
         """Why this configuration cannot serve m rows of x_dtype against weight_dtype (None: it can)."""
         if self.split_k < 1 or m > (MAX_M if self.use_dot else FMA_MAX_M):
             return f"config {self} cannot serve {m} rows"
+        if self.prefetch_k % 16:
+            return f"config {self}: prefetch_k must be a multiple of 16"
         if self.fp16_operands and (
             not self.use_dot or weight_dtype != FP8_DTYPE or x_dtype not in (torch.float16, torch.bfloat16)
         ):
             return f"config {self}: float16 operands serve FP8 weights, 16-bit x and the DOT body"
         if self.fp8_operands and (not self.use_dot or weight_dtype != FP8_DTYPE or self.fp16_operands):
             return f"config {self}: FP8 operands serve FP8 weights and the DOT body"
-        if x_dtype == FP8_DTYPE and not self.fp8_operands:
-            return f"config {self}: x given as FP8 codes needs FP8 operands"
+        if (x_dtype == FP8_DTYPE) != self.fp8_operands:
+            return f"config {self}: FP8 operands go with x as FP8 codes, and only with them"
         return None
 
 
@@ -91,31 +97,12 @@ def _load_k_tile(rows, kk, k_end, row_ok, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _load_x_tile(x_rows, kk, k_end, m_ok, x_scale, QUANTIZE_X: tl.constexpr, EVEN_K: tl.constexpr):
-    """An activation tile; QUANTIZE_X: as e4m3 codes of the rows' scales."""
-    x = _load_k_tile(x_rows, kk, k_end, m_ok, EVEN_K)
-    if QUANTIZE_X:
-        x = to_e4m3(x, x_scale[:, None])
-    return x
-
-
-@triton.jit
-def _x_row_scales(x_rows, xs_ptr, rm, m_ok, K, X_CODES: tl.constexpr, QUANTIZE_X: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
-    """The rows' per-token scales: given (X_CODES), or amax / 448 over the whole row (QUANTIZE_X: every
-    program reads all of x, from L2, so that all splits and N blocks share one scale); else ones."""
-    if X_CODES:
-        scale = tl.load(xs_ptr + rm, mask=m_ok, other=1.0)
-    elif QUANTIZE_X:
-        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        rk = tl.arange(0, BLOCK_K)
-        for k0 in range(0, K, BLOCK_K):
-            x = _load_k_tile(x_rows, k0 + rk, K, m_ok, EVEN_K)
-            amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
-        scale = row_scale(amax)
-    else:
-        scale = tl.full((BLOCK_M,), 1.0, dtype=tl.float32)
-    return scale
+def _prefetch_rows_to_l2(w_rows, nbytes):
+    """One bulk L2 prefetch of nbytes (a multiple of 16, rows 16-byte aligned) from each row start."""
+    return tl.inline_asm_elementwise(
+        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r", [w_rows, nbytes],
+        dtype=tl.int32, is_pure=False, pack=1,
+    )
 
 
 @triton.jit
@@ -146,10 +133,10 @@ def _gemv_kernel(
     M, N, K, K_PER_SPLIT,
     stride_xm, stride_wn, stride_om, stride_os,
     HAS_SCALE: tl.constexpr, USE_DOT: tl.constexpr, W_AS_A: tl.constexpr, FP16_OPERANDS: tl.constexpr,
-    FP8_OPERANDS: tl.constexpr, X_CODES: tl.constexpr, QUANTIZE_X: tl.constexpr,
+    FP8_OPERANDS: tl.constexpr,
     X_PRESCALE: tl.constexpr, OUT_FACTOR: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    PREFETCH_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -173,17 +160,18 @@ def _gemv_kernel(
     if USE_PDL:
         # The weights do not depend on the kernel before this one: their first tile streams in while
         # that kernel finishes. x does, so it waits. (Without PDL the loop's own pipelining is faster.)
+        if PREFETCH_K > 0:  # rows past N prefetch the last one again
+            last_rows = w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_wn + k_start
+            nbytes = tl.minimum(k_end - k_start, PREFETCH_K) * w_ptr.dtype.element_ty.primitive_bitwidth // 8
+            _prefetch_rows_to_l2(last_rows, tl.full((BLOCK_N,), nbytes, tl.int32))
         w = _load_k_tile(w_rows, k_start + rk, k_end, n_ok, EVEN_K)
         wait_for_predecessor(USE_PDL)
-        x_scale = _x_row_scales(x_rows, xs_ptr, rm, m_ok, K, X_CODES, QUANTIZE_X, BLOCK_M, BLOCK_K, EVEN_K)
-        x = _load_x_tile(x_rows, k_start + rk, k_end, m_ok, x_scale, QUANTIZE_X, EVEN_K)
+        x = _load_k_tile(x_rows, k_start + rk, k_end, m_ok, EVEN_K)
         acc = _accumulate(acc, w, x, USE_DOT, W_AS_A, FP16_OPERANDS, FP8_OPERANDS, X_PRESCALE, PRECISION)
         k_loop += BLOCK_K
-    else:
-        x_scale = _x_row_scales(x_rows, xs_ptr, rm, m_ok, K, X_CODES, QUANTIZE_X, BLOCK_M, BLOCK_K, EVEN_K)
     for k0 in range(k_loop, k_end, BLOCK_K):
         w = _load_k_tile(w_rows, k0 + rk, k_end, n_ok, EVEN_K)
-        x = _load_x_tile(x_rows, k0 + rk, k_end, m_ok, x_scale, QUANTIZE_X, EVEN_K)
+        x = _load_k_tile(x_rows, k0 + rk, k_end, m_ok, EVEN_K)
         acc = _accumulate(acc, w, x, USE_DOT, W_AS_A, FP16_OPERANDS, FP8_OPERANDS, X_PRESCALE, PRECISION)
     if not USE_DOT:
         acc = tl.sum(acc, axis=2)
@@ -191,8 +179,8 @@ def _gemv_kernel(
         acc = tl.trans(acc)
     if OUT_FACTOR != 1.0:
         acc = acc * OUT_FACTOR
-    if FP8_OPERANDS:  # per-token scales: linear, so partial sums take them too
-        acc = acc * x_scale[:, None]
+    if FP8_OPERANDS:  # x's per-token scales: linear, so partial sums take them too
+        acc = acc * tl.load(xs_ptr + rm, mask=m_ok, other=0.0)[:, None]
     out_mask = m_ok[:, None] & n_ok[None, :]
     if PARTIAL:
         tl.store(out_ptr + pid_k * stride_os + rm[:, None] * stride_om + rn[None, :], acc, mask=out_mask)
@@ -239,6 +227,15 @@ _MEASURED: dict[tuple[str, int, int, int], GemvConfig] = {
     # FP8 codes: call 3 measured pick_config's default fastest on every shape and row count but these two.
     ("fp8", 1, 4096, 4096): GemvConfig(False, 8, 1024, 1, 4, 3),
     ("fp8", 4, 4096, 14336): GemvConfig(True, 32, 256, 4, 4, 3, True, True),
+    # W8A8 (x as FP8 codes too): session 9's first call, 40 configurations a shape at 1 and 16 rows.
+    ("w8a8", 1, 6144, 4096): GemvConfig(True, 64, 256, 1, 4, 4, True, fp8_operands=True),
+    ("w8a8", 1, 4096, 4096): GemvConfig(True, 64, 512, 1, 4, 3, True, fp8_operands=True),
+    ("w8a8", 1, 28672, 4096): GemvConfig(True, 128, 256, 1, 4, 3, True, fp8_operands=True),
+    ("w8a8", 1, 4096, 14336): GemvConfig(True, 64, 256, 4, 4, 3, True, fp8_operands=True),
+    ("w8a8", 16, 6144, 4096): GemvConfig(True, 64, 256, 1, 4, 4, True, fp8_operands=True),
+    ("w8a8", 16, 4096, 4096): GemvConfig(True, 64, 128, 4, 4, 4, True, fp8_operands=True),
+    ("w8a8", 16, 28672, 4096): GemvConfig(True, 128, 256, 1, 4, 3, True, fp8_operands=True),
+    ("w8a8", 16, 4096, 14336): GemvConfig(True, 64, 256, 4, 4, 3, True, fp8_operands=True),
 }
 
 
@@ -256,7 +253,9 @@ def pick_config(m: int, n: int, k: int, weight_dtype: torch.dtype, fp8_x: bool =
     """The measured configuration for this shape, else a default. For FP8 codes the default is the
     configuration that came within 7% of the best on every measured shape and row count (the best on
     all but two): 64-row tiles with float16 operands, split 4 ways along K unless N alone gives enough
-    programs (N of 28672: 448 tiles). fp8_x: x quantized to FP8 as well (FP8 operands)."""
+    programs (N of 28672: 448 tiles). fp8_x: x quantized to FP8 as well (FP8 operands): 64 x 256 tiles,
+    split 4 ways along a K over 8192 unless N gives 256 tiles (within 4% of the best at 1 and 16 rows on
+    every 8B shape)."""
     found = measured_config(m, n, k, weight_dtype, fp8_x)
     if found is not None:
         return found
@@ -265,7 +264,8 @@ def pick_config(m: int, n: int, k: int, weight_dtype: torch.dtype, fp8_x: bool =
     if weight_dtype == FP8_DTYPE:
         split = 1 if triton.cdiv(n, 64) >= 256 else 4
         if fp8_x:
-            return GemvConfig(True, 64, 128, split, 4, 4, w_as_a=True, fp8_operands=True)
+            split = 4 if k > 8192 and triton.cdiv(n, 64) < 256 else 1
+            return GemvConfig(True, 64, 256, split, 4, 4, w_as_a=True, fp8_operands=True)
         return GemvConfig(True, 64, 128, split, 4, 4, fp16_operands=True)
     if m <= FMA_MAX_M:
         return GemvConfig(use_dot=False, block_n=max(1, 8 // triton.next_power_of_2(m)), block_k=512)
@@ -283,8 +283,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     m, k = x.shape
     n = weight.shape[0]
     _check(x, weight, scale, m, k, n, x_scale, out_dtype)
-    x_codes = x.dtype == FP8_DTYPE
-    cfg = config or pick_config(m, n, k, weight.dtype, x_codes)
+    cfg = config or pick_config(m, n, k, weight.dtype, fp8_x=x.dtype == FP8_DTYPE)
+    if config is None and cfg.fp8_operands and os.environ.get("TS_GEMV_PREFETCH_K"):  # EXPERIMENT, to go
+        cfg = replace(cfg, prefetch_k=int(os.environ["TS_GEMV_PREFETCH_K"]))
     if config is None and cfg.fp16_operands and x.dtype == torch.float32:
         cfg = replace(cfg, fp16_operands=False)  # float32 x keeps its precision
     problem = cfg.problem(m, weight.dtype, x.dtype)
@@ -294,7 +295,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     out_factor = 256.0 if prescale else 1.0
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     scale_arg = y if scale is None else scale.reshape(-1).float().contiguous()  # unread when HAS_SCALE is off
-    xs_arg = y if x_scale is None else x_scale.reshape(-1).float().contiguous()  # read with X_CODES only
+    xs_arg = y if x_scale is None else x_scale.reshape(-1).float().contiguous()  # read with FP8 operands only
     # Each split covers a whole number of blocks: only the last may run past K.
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     splits = triton.cdiv(k, k_per_split)
@@ -304,10 +305,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
         x, xs_arg, weight, scale_arg, out, m, n, k, k_per_split, x.stride(0), weight.stride(0),
         out.stride(-2), out.stride(0) if partial else 0,
         HAS_SCALE=scale is not None, USE_DOT=cfg.use_dot, W_AS_A=cfg.w_as_a, FP16_OPERANDS=cfg.fp16_operands,
-        FP8_OPERANDS=cfg.fp8_operands, X_CODES=x_codes, QUANTIZE_X=cfg.fp8_operands and not x_codes,
+        FP8_OPERANDS=cfg.fp8_operands,
         X_PRESCALE=prescale, OUT_FACTOR=out_factor, PARTIAL=partial, EVEN_K=k % cfg.block_k == 0,
         PRECISION=dot_precision(torch.float16 if cfg.fp16_operands or cfg.fp8_operands else x.dtype),
-        BLOCK_M=cfg.block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_M=cfg.block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PREFETCH_K=cfg.prefetch_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(),
     )  # fmt: skip
     if partial:

@@ -134,14 +134,12 @@ def sweep_shape(name: str, n: int, k: int, m: int, kind: str, deadline: float) -
     if kind == "w8a8":
         ref = gemv_reference(xq.codes, ws[0], scales[0], xq.scales, torch.bfloat16).float()
 
-        def run(cfg: GemvConfig | None, i: int, x16: bool = False) -> torch.Tensor:
-            if x16:  # 16-bit x, quantized by the kernel itself
-                return gemv(x, ws[i], scales[i], cfg)
+        def run(cfg: GemvConfig | None, i: int) -> torch.Tensor:
             return gemv(xq.codes, ws[i], scales[i], cfg, xq.scales, torch.bfloat16)
     else:
         ref = gemv_reference(x, ws[0], scales[0]).float()
 
-        def run(cfg: GemvConfig | None, i: int, x16: bool = False) -> torch.Tensor:
+        def run(cfg: GemvConfig | None, i: int) -> torch.Tensor:
             return gemv(x, ws[i], scales[i], cfg)
     if kind == "bf16":
         row["cublas_ms"] = time_ms(lambda i: F.linear(x, ws[i]), copies)
@@ -175,9 +173,6 @@ def add_w8a8_references(row: dict, x: torch.Tensor, xq: Fp8Rows, ws: list, scale
     codes cast to float16) and cuBLAS's FP8 GEMM on x padded to 16 rows, on the same weights; and
     cuBLAS's bf16 linear on bf16 weights of the shape."""
     copies, m = len(ws), x.shape[0]
-    if "best_config" in row:
-        best = GemvConfig(**row["best_config"])
-        row["best_quantize_in_kernel_ms"] = time_ms(lambda i: run(best, i, x16=True), copies)
     row["w8a16_ms"] = time_ms(lambda i: gemv(x, ws[i], scales[i], pick_config(m, *ws[0].shape, ws[0].dtype)), copies)
     padded = torch.zeros(16, x.shape[1], dtype=xq.codes.dtype, device=x.device)
     padded[:m] = xq.codes

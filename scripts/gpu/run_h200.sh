@@ -19,7 +19,8 @@
 #   profile_prefill          8 requests of 1024 in / 1 out in process, one prefill a step (pipelined), torch.profiler
 #                            over 3 of them: each kernel's GPU time, the GPU's busy share (the prefill's TFLOP/s): ~40 s
 #   profile_b1_fp8           1 request of 512 in / 256 out, FP8 weights, torch.profiler over 20 decode steps: each
-#                            kernel's GPU time at batch 1 (the FP8 batch-1 goal): ~40 s
+#                            kernel's GPU time at batch 1 (the FP8 batch-1 goal), PDL off so that kernels do not
+#                            overlap (under PDL each one's time includes its wait for the one before): ~30 s
 #   profile_b4               4 requests of 1024 in / 256 out in process, torch.profiler over 20 decode steps: each
 #                            kernel's GPU time and calls, and the GPU's busy share (4-stream TPOT): ~50 s
 #   latency_pdl              its GPU tests, then batch 1 and 4 (and batch 1 with FP8 weights), flashinfer, the
@@ -170,7 +171,7 @@ for s in $STAGES; do
     profile_prefill) wait $WARM; run_offline profile_prefill 120 --num-requests 8 --input-len 1024 --output-len 1 \
       --max-num-seqs 2 --chunked-prefill-size 1024 --profile-steps 4:3 ;;
     profile_b1_fp8) wait $WARM; run_offline profile_b1_fp8 120 --num-requests 1 --input-len 512 --output-len 256 \
-      --max-num-seqs 1 --quantization fp8 --profile-steps 100:20 ;;
+      --max-num-seqs 1 --quantization fp8 --profile-steps 100:20 --no-pdl ;;
     profile_b4) wait $WARM; run_offline profile_b4 120 --num-requests 4 --input-len 1024 --output-len 256 --max-num-seqs 4 \
       --profile-steps 100:20 ;;
     pyspy_b4) wait $WARM; stage pyspy_b4 150 py-spy record --idle --nonblocking -r 500 -f raw \

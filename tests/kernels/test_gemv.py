@@ -120,8 +120,7 @@ W8A8_CONFIGS = {
 @pytest.mark.parametrize(("m", "n", "k"), SHAPES)
 def test_w8a8_gemv_multiplies_codes_by_codes(m: int, n: int, k: int, config: str) -> None:
     """x as FP8 codes with per-row scales: the float64 product of the dequantized x and weight, rounded
-    once (the products of codes are exact in float32; only the float32 sums round). 16-bit x quantized by
-    the kernel itself gives quantize_rows' codes and scales: the same output, bit for bit."""
+    once (the products of codes are exact in float32; only the float32 sums round)."""
     cfg = W8A8_CONFIGS[config]
     w, scale = weight(n, k, seed=m + n, fp8=True)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(torch.float16) * 3
@@ -129,8 +128,6 @@ def test_w8a8_gemv_multiplies_codes_by_codes(m: int, n: int, k: int, config: str
     got = gemv(codes, w, scale, cfg, x_scale, torch.float16)
     assert got.dtype == torch.float16 and got.shape == (m, n)
     assert relative_error(got, gemv_reference(codes, w, scale, x_scale, torch.float16)) < REL_TOL[torch.float16]
-    own = cfg or pick_config(m, n, k, w.dtype, fp8_x=True)
-    assert torch.equal(gemv(x, w, scale, own), got)
 
 
 def test_w8a8_gemv_refuses_codes_without_their_scales() -> None:
@@ -142,10 +139,12 @@ def test_w8a8_gemv_refuses_codes_without_their_scales() -> None:
         gemv(codes, w, scale, None, x_scale)
     with pytest.raises(ValueError, match="row scales go with x as FP8 codes"):
         gemv(torch.randn(2, 32), w, scale, None, x_scale)
-    with pytest.raises(ValueError, match="needs FP8 operands"):
+    with pytest.raises(ValueError, match="FP8 operands go with x as FP8 codes"):
         gemv(codes, w, scale, GemvConfig(use_dot=True, block_n=16, block_k=32), x_scale, torch.float16)
+    with pytest.raises(ValueError, match="FP8 operands go with x as FP8 codes"):
+        gemv(torch.randn(2, 32), w, scale, GemvConfig(True, 16, 32, fp8_operands=True))
     with pytest.raises(ValueError, match="FP8 operands serve FP8 weights"):
-        gemv(torch.randn(2, 32), w.float().half(), None, GemvConfig(True, 16, 32, fp8_operands=True))
+        gemv(codes, w.float().half(), None, GemvConfig(True, 16, 32, fp8_operands=True), x_scale, torch.float16)
 
 
 @pytest.mark.parametrize("backend", [SCALED_MM_ROWWISE, SCALED_MM_TENSORWISE])

@@ -9,8 +9,7 @@ Two implementations of the same numbers:
   K and N must be multiples of 16 (layers that are not fall back to EMULATED).
   Decode-sized batches (<= GEMV_MAX_ROWS rows) are bound by reading the weights, and cuBLAS's FP8
   GEMM is slow there: they run kernels/gemv.py instead, which streams the codes once and multiplies
-  them by the activations' codes on the FP8 tensor cores (the same W8A8 numbers: per-token scales,
-  computed by the GEMV itself when the input comes unquantized, or the static input scale).
+  them by the activations' codes on the FP8 tensor cores (the same W8A8 numbers as the larger batches).
 - EMULATED: anywhere else (CPU, older GPUs): the codes cast to the activation dtype (exact: every
   e4m3 value is a bf16/fp16/fp32 value), one matmul, the scales applied in float32. The activations
   go through the same FP8 rounding, so CPU tests see the numerics the GPU runs.
@@ -20,7 +19,7 @@ from __future__ import annotations
 
 import torch
 from tokenspeed_kernels.fp8_quant import quantize_rows as fused_quantize_rows
-from tokenspeed_kernels.gemv import MAX_M, gemv, pick_config
+from tokenspeed_kernels.gemv import MAX_M, gemv
 
 from app.worker.quantization.fp8 import FP8_DTYPE, Fp8Rows, quantize, quantize_rows
 
@@ -74,12 +73,8 @@ def fp8_linear(
         y = _product(x.codes.reshape(-1, k), x.scales.reshape(-1, 1), weight, weight_scale, x.dtype, backend)
     else:
         lead, rows = x.shape[:-1], x.reshape(-1, x.shape[-1])
-        if input_scale is None and _runs_gemv(backend, rows.shape[0]):  # the GEMV quantizes x itself
-            m, (n, k) = rows.shape[0], weight.shape
-            y = gemv(rows.contiguous(), weight, weight_scale, pick_config(m, n, k, weight.dtype, fp8_x=True))
-        else:
-            xq, x_scale = quantize_input(rows, input_scale)
-            y = _product(xq, x_scale, weight, weight_scale, rows.dtype, backend)
+        xq, x_scale = quantize_input(rows, input_scale)
+        y = _product(xq, x_scale, weight, weight_scale, rows.dtype, backend)
     if bias is not None:
         y = y + bias
     return y.reshape(*lead, weight.shape[0])

@@ -23,7 +23,6 @@ waiting for the kernel before it: weights depend on no kernel, so they stream in
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -61,10 +60,6 @@ class GemvConfig:
     # tensor cores multiply codes by codes with no conversion in registers. (x quantized by each program
     # itself measured several times slower: every program must read all of x for the scales first.)
     fp8_operands: bool = False
-    # Under PDL: before waiting for the kernel before it, each program asks the L2 to fetch the first
-    # prefetch_k elements of its weight rows (one bulk prefetch a row, Hopper), so that they stream in
-    # while that kernel (a norm, the attention) still runs. 0: only the first tile is loaded early.
-    prefetch_k: int = 0
 
     def block_m(self, m: int) -> int:
         return 16 if self.use_dot else triton.next_power_of_2(m)
@@ -73,8 +68,6 @@ class GemvConfig:
         """Why this configuration cannot serve m rows of x_dtype against weight_dtype (None: it can)."""
         if self.split_k < 1 or m > (MAX_M if self.use_dot else FMA_MAX_M):
             return f"config {self} cannot serve {m} rows"
-        if self.prefetch_k % 16:
-            return f"config {self}: prefetch_k must be a multiple of 16"
         if self.fp16_operands and (
             not self.use_dot or weight_dtype != FP8_DTYPE or x_dtype not in (torch.float16, torch.bfloat16)
         ):
@@ -94,15 +87,6 @@ def _load_k_tile(rows, kk, k_end, row_ok, EVEN_K: tl.constexpr):
     else:
         tile = tl.load(rows + kk[None, :], mask=row_ok[:, None] & (kk < k_end)[None, :], other=0.0)
     return tile
-
-
-@triton.jit
-def _prefetch_rows_to_l2(w_rows, nbytes):
-    """One bulk L2 prefetch of nbytes (a multiple of 16, rows 16-byte aligned) from each row start."""
-    return tl.inline_asm_elementwise(
-        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r", [w_rows, nbytes],
-        dtype=tl.int32, is_pure=False, pack=1,
-    )
 
 
 @triton.jit
@@ -136,7 +120,7 @@ def _gemv_kernel(
     FP8_OPERANDS: tl.constexpr,
     X_PRESCALE: tl.constexpr, OUT_FACTOR: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PREFETCH_K: tl.constexpr, USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -160,10 +144,6 @@ def _gemv_kernel(
     if USE_PDL:
         # The weights do not depend on the kernel before this one: their first tile streams in while
         # that kernel finishes. x does, so it waits. (Without PDL the loop's own pipelining is faster.)
-        if PREFETCH_K > 0:  # rows past N prefetch the last one again
-            last_rows = w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_wn + k_start
-            nbytes = tl.minimum(k_end - k_start, PREFETCH_K) * w_ptr.dtype.element_ty.primitive_bitwidth // 8
-            _prefetch_rows_to_l2(last_rows, tl.full((BLOCK_N,), nbytes, tl.int32))
         w = _load_k_tile(w_rows, k_start + rk, k_end, n_ok, EVEN_K)
         wait_for_predecessor(USE_PDL)
         x = _load_k_tile(x_rows, k_start + rk, k_end, m_ok, EVEN_K)
@@ -284,8 +264,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     n = weight.shape[0]
     _check(x, weight, scale, m, k, n, x_scale, out_dtype)
     cfg = config or pick_config(m, n, k, weight.dtype, fp8_x=x.dtype == FP8_DTYPE)
-    if config is None and cfg.fp8_operands and os.environ.get("TS_GEMV_PREFETCH_K"):  # EXPERIMENT, to go
-        cfg = replace(cfg, prefetch_k=int(os.environ["TS_GEMV_PREFETCH_K"]))
     if config is None and cfg.fp16_operands and x.dtype == torch.float32:
         cfg = replace(cfg, fp16_operands=False)  # float32 x keeps its precision
     problem = cfg.problem(m, weight.dtype, x.dtype)
@@ -308,7 +286,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
         FP8_OPERANDS=cfg.fp8_operands,
         X_PRESCALE=prescale, OUT_FACTOR=out_factor, PARTIAL=partial, EVEN_K=k % cfg.block_k == 0,
         PRECISION=dot_precision(torch.float16 if cfg.fp16_operands or cfg.fp8_operands else x.dtype),
-        BLOCK_M=cfg.block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PREFETCH_K=cfg.prefetch_k,
+        BLOCK_M=cfg.block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(),
     )  # fmt: skip
     if partial:

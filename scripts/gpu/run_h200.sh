@@ -36,7 +36,8 @@
 #   offline_1000_g512        offline_1000 with decode graphs captured up to 512 (384 running: no eager decode)
 #   offline_1000_fp8         the same with FP8 weights: ~170 s
 #   offline_1000_fp8kv       the same with FP8 weights and an FP8 KV cache: ~150 s (run kv_pool before it,
-#                            or carry a cache that has the FP8-KV kernels: warm_flashinfer builds bf16 only)
+#                            or carry a cache that has the FP8-KV kernels: warm_flashinfer builds bf16 only);
+#                            FP8KV_SEQS running requests (default 512), decode graphs captured up to as many
 #   attn                     decode attention alone per backend (flashinfer CUDA-core and tensor-core, triton),
 #                            bf16 and FP8 KV, batch 1 to 384: time and KV read rate vs the copy bandwidth: ~90 s
 #   attn_sweep               the Triton decode kernel's tile, warps, stages and split count (ATTN_CONFIGS) at
@@ -196,8 +197,8 @@ for s in $STAGES; do
     offline_1000_g512) fits offline_1000_g512 280 && run_offline_1000 offline_1000_g512 384 360 \
       --max-cudagraph-capture-size 512 ;;
     offline_1000_fp8) wait $WARM; fits offline_1000_fp8 170 && run_offline_1000 offline_1000_fp8 384 330 --quantization fp8 ;;
-    offline_1000_fp8kv) fits offline_1000_fp8kv 250 && run_offline_1000 offline_1000_fp8kv 512 330 \
-      --quantization fp8 --kv-cache-dtype fp8_e4m3 ;;
+    offline_1000_fp8kv) fits offline_1000_fp8kv 250 && run_offline_1000 offline_1000_fp8kv "${FP8KV_SEQS:-512}" 330 \
+      --quantization fp8 --kv-cache-dtype fp8_e4m3 --max-cudagraph-capture-size "${FP8KV_SEQS:-512}" ;;
     hf) stage hf_b1 120 python3 scripts/gpu/hf_reference.py --model $MODEL --batch-size 1 --output-len 64 --json "$RUN/hf_b1.json" ;;
     tests_8b) wait $WARM; stage tests_8b 240 python3 -m pytest -q -s -p no:cacheprovider tests/gpu -k "8b" ;;
     idle) stage gpu_idle 90 python3 scripts/gpu/gpu_idle.py --json "$RUN/gpu_idle.json" ;;

@@ -15,7 +15,6 @@ from __future__ import annotations
 import sys
 import traceback
 from collections.abc import Callable
-from dataclasses import replace
 
 import torch
 import triton.runtime.jit as jit
@@ -164,12 +163,11 @@ def gemv_cases(gemv) -> list[tuple[str, Callable[[], object]]]:  # noqa: ANN001
 
 
 def w8a8_gemv_cases(gemv) -> list[tuple[str, Callable[[], object]]]:  # noqa: ANN001
-    """x as FP8 codes too: the W8A8 table's and default configurations, and one with the L2 prefetch."""
+    """x as FP8 codes too: the W8A8 table's and default configurations."""
     n, k = 512, 1024
     w, scale = torch.zeros(n, k).to(FP8), torch.ones(n)
     configs = {gemv.pick_config(m, n, k, FP8, fp8_x=True) for m in gemv.ROW_BUCKETS}
     configs |= {c for (f, *_), c in gemv._MEASURED.items() if f == "w8a8"}
-    configs.add(replace(next(iter(configs)), prefetch_k=1024))
     x, x_scale = torch.zeros(1, k).to(FP8), torch.ones(1, 1)
     return [(f"gemv {FP8} x {FP8} {config}",
              lambda c=config: gemv.gemv(x, w, scale, c, x_scale, torch.bfloat16)) for config in configs]  # fmt: skip

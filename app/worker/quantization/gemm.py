@@ -17,6 +17,8 @@ Two implementations of the same numbers:
 
 from __future__ import annotations
 
+import os
+
 import torch
 from tokenspeed_kernels.fp8_quant import quantize_rows as fused_quantize_rows
 from tokenspeed_kernels.gemv import MAX_M, gemv
@@ -125,6 +127,7 @@ def _scaled_mm_rowwise(
         scale_a=x_scale.contiguous(),
         scale_b=weight_scale,
         out_dtype=torch.bfloat16,
+        use_fast_accum=os.environ.get("TS_FP8_FAST_ACCUM") == "1",  # EXPERIMENT (session 9), to go
     )
     return y.to(dtype)
 

@@ -4,7 +4,8 @@ Weights are 16-bit, or FP8 codes with per-channel scales (read exactly), so what
 arithmetic: float32 activations accumulate in float32 (REL_TOL 1e-5 relative L2); float16 ones are
 multiplied on the dot's float16 path or in float32 registers (FMA), accumulated in float32, and the output
 rounds to float16 (2e-3). Every loop body (FMA for a few rows, DOT), split-K with a ragged last split,
-and shapes that are not multiples of the tiles (every mask) are covered. bfloat16 runs on the GPU only
+and shapes that are not multiples of the tiles (every mask) are covered, and W8A8 (x as FP8 codes with
+per-row scales, products of codes exact in float32). bfloat16 runs on the GPU only
 (the interpreter has no bf16 dot): tests/gpu/test_fp8_gpu.py.
 """
 

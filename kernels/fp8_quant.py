@@ -89,12 +89,6 @@ def _quantize_e4m3(x, scale):
 
 
 @triton.jit
-def to_e4m3(x, scale):
-    """x / scale as e4m3 codes (quantize_rows' codes for the row's scale)."""
-    return _quantize_e4m3(x, scale).to(tl.float8e4nv)
-
-
-@triton.jit
 def row_scale(amax):
     """The scale of a row from its amax (float32): IEEE division, as torch's tensor division gives."""
     return tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)

@@ -244,11 +244,11 @@ def pick_config(m: int, n: int, k: int, weight_dtype: torch.dtype, fp8_x: bool =
         return found
     if INTERPRETING:
         return GemvConfig(use_dot=m > FMA_MAX_M or fp8_x, block_n=16, block_k=64, fp8_operands=fp8_x)
+    if weight_dtype == FP8_DTYPE and fp8_x:
+        split = 4 if k > 8192 and triton.cdiv(n, 64) < 256 else 1
+        return GemvConfig(True, 64, 256, split, 4, 4, w_as_a=True, fp8_operands=True)
     if weight_dtype == FP8_DTYPE:
         split = 1 if triton.cdiv(n, 64) >= 256 else 4
-        if fp8_x:
-            split = 4 if k > 8192 and triton.cdiv(n, 64) < 256 else 1
-            return GemvConfig(True, 64, 256, split, 4, 4, w_as_a=True, fp8_operands=True)
         return GemvConfig(True, 64, 128, split, 4, 4, fp16_operands=True)
     if m <= FMA_MAX_M:
         return GemvConfig(use_dot=False, block_n=max(1, 8 // triton.next_power_of_2(m)), block_k=512)

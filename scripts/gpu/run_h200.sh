@@ -54,7 +54,7 @@
 #                            caches, graphs vs eager) and of the pipelined steps (PDL included): ~60 s
 #   tests_fi_decode          the flashinfer backend's decode kernels (xqa included) against torch: ~30 s + JIT
 #   tests_fp8kv              GPU tests of the FP8 KV backends, flashinfer sampling and FP8 GEMMs: ~150 s
-#   tests_fp8w               GPU tests of the FP8 weights' GEMMs, GEMV and fused quantization: ~90 s
+#   tests_fp8w               GPU tests of the FP8 weights' GEMMs, GEMV and fused quantization: ~190 s
 #   tests_tp latency_tp      two GPUs (nvidia-h200-x2): TP=2 GPU tests; batch-1 decode at TP=1 and TP=2
 #   serving_dp               two GPUs: the appliance at 1 replica, then --data-parallel-size 2: ~300 s
 # A stage that cannot finish before DEADLINE is skipped rather than cut (offline_1000*), so give each

@@ -43,6 +43,13 @@ EPS = 1e-6
 LOOPED_MAX_ROW = 256  # rows wider than this take the two-pass loop when the tests lower the limit
 
 
+def take_path(monkeypatch: pytest.MonkeyPatch, width: int, loop: bool) -> None:
+    """Rows of `width` take the two-pass loop (the limit lowered) or stay in registers, as asked."""
+    if loop:
+        monkeypatch.setattr(fp8_quant, "MAX_ROW_IN_REGISTERS", LOOPED_MAX_ROW)
+    assert row_plan(width).one_pass is not loop
+
+
 def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
@@ -83,9 +90,7 @@ def assert_close_to(got: tuple[torch.Tensor, torch.Tensor], want: torch.Tensor) 
 def test_quantize_rows_paths_equal_the_torch_path(
     k: int, loop: bool, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if loop:
-        monkeypatch.setattr(fp8_quant, "MAX_ROW_IN_REGISTERS", LOOPED_MAX_ROW)
-    assert row_plan(k).one_pass is not loop
+    take_path(monkeypatch, k, loop)
     x = magnitudes(5, k, k).to(dtype)
     assert_same_quantization(quantize_rows(x), torch_quantize_rows(x))
 
@@ -187,9 +192,7 @@ def gate_up(m: int, n: int, dtype: torch.dtype) -> torch.Tensor:
 def test_silu_and_mul_fp8_equals_quantize_rows_of_silu_and_mul(
     n: int, loop: bool, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if loop:
-        monkeypatch.setattr(fp8_quant, "MAX_ROW_IN_REGISTERS", LOOPED_MAX_ROW)
-    assert row_plan(n).one_pass is not loop
+    take_path(monkeypatch, n, loop)
     x = gate_up(5, n, dtype)
     got = silu_and_mul_fp8(x)
     assert_same_quantization(got, quantize_rows(silu_and_mul(x)))
@@ -201,9 +204,7 @@ def test_silu_and_mul_fp8_equals_quantize_rows_of_silu_and_mul(
 def test_silu_and_mul_fp8_leading_dims_strided_rows_and_empty_batch(
     loop: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if loop:
-        monkeypatch.setattr(fp8_quant, "MAX_ROW_IN_REGISTERS", LOOPED_MAX_ROW)
-    assert row_plan(300).one_pass is not loop
+    take_path(monkeypatch, 300, loop)
     wide = gate_up(6, 400, torch.float16)
     x = wide[:, 100:700]  # gate_up rows of 2 x 300, 800 apart
     got = silu_and_mul_fp8(x.view(2, 3, 600))

@@ -54,12 +54,6 @@ def quantize_input(x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[t
     return quantize(x, input_scale), scale
 
 
-def takes_quantized_rows(static_input: bool) -> bool:
-    """Whether fp8_linear quantizes its input per token (dynamic scales): the kernel that makes that input
-    may then hand it over quantized (Fp8Rows), saving a launch and a pass over the activations."""
-    return not static_input
-
-
 def fp8_linear(
     x: torch.Tensor | Fp8Rows,
     weight: torch.Tensor,

@@ -34,7 +34,7 @@ from app.worker.quantization.fp8 import (
     quantize_rows,
     requantize_blocks_to_rows,
 )
-from app.worker.quantization.gemm import EMULATED, fp8_linear, gemm_backend, takes_quantized_rows
+from app.worker.quantization.gemm import EMULATED, fp8_linear, gemm_backend
 from app.worker.quantization.scheme import Fp8Scheme
 
 Shard = str | int | None
@@ -198,8 +198,9 @@ class Fp8LinearMethod:
     # ------------------------------------------------------------------ forward
 
     def takes_quantized_rows(self) -> bool:
-        """Whether apply() quantizes its input per token: it may come as Fp8Rows."""
-        return takes_quantized_rows(self.scheme.static_activations)
+        """Whether apply() quantizes its input per token (dynamic scales): the kernel that makes the input
+        may then hand it over quantized (Fp8Rows), saving a launch and a pass over the activations."""
+        return not self.scheme.static_activations
 
     def apply(self, layer: nn.Module, x: torch.Tensor | Fp8Rows, bias: torch.Tensor | None) -> torch.Tensor:
         input_scale = layer.input_scale if self.scheme.static_activations else None

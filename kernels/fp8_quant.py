@@ -15,6 +15,9 @@ the same values, warps chosen by its width: row_plan); a wider one is read twice
 (amax, then codes). The kernels that produce activations quantize their own rows with the same jitted
 helpers (row_scale, quantize_row_in_registers, store_codes): rmsnorm.rms_norm_fp8 / add_rms_norm_fp8 and
 activation.silu_and_mul_fp8 give quantize_rows' codes and scales of their unfused output, bit for bit.
+
+cast_to_e4m3(x) gives the codes of x at scale 1 (torch's `x.clamp(-448, 448).to(float8_e4m3fn)`): the
+attention queries that flashinfer's FP8 prefill kernels (FA3, Hopper) read beside an FP8 cache.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import FP8_DTYPE, INTERPRETING, check_last_dim_contiguous, next_power_of_2
+from .common import FP8_DTYPE, INTERPRETING, check_last_dim_contiguous, check_rows, next_power_of_2
 
 FP8_MAX = 448.0  # the largest finite e4m3 value; the cast alone does not saturate on the GPU
 MIN_AMAX = 1e-12  # an all-zero row still gets a positive scale
@@ -34,6 +37,7 @@ MIN_AMAX = 1e-12  # an all-zero row still gets a positive scale
 MAX_ROW_IN_REGISTERS = 16384
 LOOP_BLOCK = 1024  # the piece a wider row is read in, twice
 LOOP_WARPS = 4
+CAST_BLOCK = 1024  # elements a cast_to_e4m3 program covers
 
 
 class RowPlan(NamedTuple):
@@ -146,6 +150,27 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             BLOCK=plan.block, ONE_PASS=plan.one_pass, num_warps=plan.num_warps,
         )  # fmt: skip
     return codes, scales
+
+
+@triton.jit
+def _cast_kernel(x_ptr, codes_ptr, width, stride_x, stride_codes, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < width
+    store_codes(tl.load(x_ptr + row * stride_x + offs, mask=mask), 1.0, codes_ptr + row * stride_codes + offs, mask)
+
+
+def cast_to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, dim] (rows may be strided views, as of a fused QKV output) -> its e4m3 codes at scale
+    1, contiguous: x clamped to +-448 and rounded to nearest even."""
+    check_rows("x", x)
+    codes = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    width = x.shape[1] * x.shape[2]
+    if x.shape[0] and width:
+        _cast_kernel[(x.shape[0], triton.cdiv(width, CAST_BLOCK))](
+            x, codes, width, x.stride(0), width, BLOCK=CAST_BLOCK
+        )
+    return codes
 
 
 def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

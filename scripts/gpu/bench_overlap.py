@@ -65,7 +65,7 @@ class Step:
             one = {}
             for name, (n, k) in SHAPES.items():
                 codes, scale = quantize_rows(torch.randn(n, k, device=dev, generator=g) * 0.02)
-                one[name] = (codes, scale.view(-1).float())
+                one[name] = (codes, scale.view(1, -1).float())  # [1, N]: what _scaled_mm wants
             self.weights.append(one)
         self.x = {name: quantize_rows(torch.randn(batch, k, device=dev)) for name, (_, k) in SHAPES.items()}
         self.backends: dict[tuple[int, int], tuple[FlashInferAttentionBackend, object]] = {}

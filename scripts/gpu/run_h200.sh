@@ -5,7 +5,7 @@
 # friends for app.config), measures the copy bandwidth and a bf16 matmul, runs the GPU tests and the
 # latency / offline benchmarks on configs/models/llama-3.1-8b (dummy bf16 weights) and transformers'
 # generate for reference, writes JSON under $OUT and prints one table last. flashinfer's JIT cache
-# lives in .fi_cache/ (carry it in, or packed as .fi_cache.tar.gz: it comes back as $OUT/fi_cache.tar.gz) and compiles in the
+# lives in .fi_cache/ (carry it in, or packed as .fi_cache.tar.gz: it comes back in 15 MiB pieces, $OUT/fi_cache.tar.gz.NN) and compiles in the
 # background while the first stages run. Default stages: roofline latency_triton tests
 # latency_flashinfer latency_b32 offline hf tests_8b. Named only (each with its own time needs):
 #   idle serving             GPU idle between steps; the whole appliance over HTTP (PYSPY_BENCH=b1: py-spy on it;
@@ -258,6 +258,8 @@ for s in $STAGES; do
 done
 wait $WARM
 # The JIT cache comes back for the next call (NO_FI_TAR=1: another instance returns it).
-[ -n "${NO_FI_TAR:-}" ] || tar czf "$OUT/fi_cache.tar.gz" -C "$FLASHINFER_WORKSPACE_BASE" .
+# A call brings back files of 16 MiB at most: the tarball comes in pieces (fi_cache.tar.gz.00, .01, ...);
+# here, cat them into .fi_cache.tar.gz to carry.
+[ -n "${NO_FI_TAR:-}" ] || tar czf - -C "$FLASHINFER_WORKSPACE_BASE" . | split -d -b 15M - "$OUT/fi_cache.tar.gz."
 tar czf "$OUT/logs.tar.gz" -C "$RUN" .
 python3 scripts/gpu/summarize.py "$RUN" "$OUT/results.json"

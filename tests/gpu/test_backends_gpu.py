@@ -36,6 +36,10 @@ CUDA = torch.device("cuda", 0)
 TINY_REL_TOL = 0.05
 LOGITS_REL_TOL = 0.05
 PIECES_REL_TOL = 0.02  # bf16: the padded GEMMs may sum in another order
+FP8 = torch.float8_e4m3fn
+# Attention with FP8 queries (xqa's decode, FA3's prefill over an FP8 cache): e4m3 keeps 3 mantissa bits,
+# so a rounded query is off by ~3.6% rms; the outputs measured 4.3e-2 to 5.4e-2 on random data.
+FP8_QUERY_BOUND = 8e-2
 
 
 def _has_flashinfer() -> bool:
@@ -257,7 +261,8 @@ def test_flashinfer_decode_kernels_match_the_torch_backend(decode_kernel: str, k
     """Each decode kernel the flashinfer backend can run, eager and captured in a CUDA graph, on a 16-bit
     and an FP8 cache with scales; and a mixed step (decodes first, then prefill chunks), whose decode
     rows run that kernel and the rest the prefill wrapper. xqa on an FP8 cache rounds the query to FP8
-    as well (3 mantissa bits where bfloat16 has 7), so its bound there is wider."""
+    as well (3 mantissa bits where bfloat16 has 7), so its bound there is wider; so do the prefill rows
+    of a mixed step over an FP8 cache (FA3 with FP8 queries on Hopper)."""
     from app.worker.attention import AttentionSpec, build_attention_batch
     from app.worker.attention.flashinfer_backend import FlashInferAttentionBackend
     from app.worker.attention.torch_backend import TorchAttentionBackend
@@ -298,9 +303,41 @@ def test_flashinfer_decode_kernels_match_the_torch_backend(decode_kernel: str, k
     meta = backend.plan(mixed)
     assert type(meta).__name__ == "MixedMetadata" and meta.decode_tokens == 1
     out = backend.forward(0, qm, km, vm, meta).float()
-    assert float((out - expected).norm() / expected.norm()) < bound
+    assert float((out - expected).norm() / expected.norm()) < (FP8_QUERY_BOUND if kv_dtype == FP8 else bound)
     default = "xqa" if kv_dtype == torch.float8_e4m3fn else "triton"  # the faster per cache dtype on Hopper
     assert FlashInferAttentionBackend(cache, spec).decode_kernel == default
+
+
+@pytest.mark.skipif(not _has_flashinfer(), reason="no flashinfer")
+@pytest.mark.parametrize("prefill_kernel", ["fa2", "fa3"])
+def test_flashinfer_prefill_over_an_fp8_cache_matches_the_torch_backend(prefill_kernel: str) -> None:
+    """Prefill chunks over an FP8 cache with scales (a fresh prompt, a chunk after a cached prefix, one
+    token): FA2 with bf16 queries, and FA3 with the queries rounded to FP8 (the default on Hopper),
+    within their bounds of the torch backend; a wrong scale or mask is off by O(1)."""
+    from app.worker.attention import AttentionSpec, build_attention_batch
+    from app.worker.attention.flashinfer_backend import FlashInferAttentionBackend
+    from app.worker.attention.torch_backend import TorchAttentionBackend
+    from app.worker.kv_cache import KVCache, KVCacheSpec
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    cache = KVCache(KVCacheSpec(1, 8, 128, FP8), 64, 16, CUDA, k_scales=[0.5], v_scales=[2.0])
+    cache.k[0].copy_(torch.randn(cache.k[0].shape, device=CUDA, generator=gen).to(FP8))
+    cache.v[0].copy_(torch.randn(cache.v[0].shape, device=CUDA, generator=gen).to(FP8))
+    spec = AttentionSpec(32, 8, 128, 128**-0.5, q_dtype=torch.bfloat16)
+    tables = torch.randperm(63, device=CUDA, generator=gen)[:60].int().view(3, 20)
+    batch = build_attention_batch(tables, [200, 60, 1], [200, 260, 90], 16)
+    q = torch.randn(261, 32, 128, device=CUDA, dtype=torch.bfloat16, generator=gen) * 2
+    k, v = (torch.randn(261, 8, 128, device=CUDA, dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    reference = TorchAttentionBackend(cache, spec)
+    expected = reference.forward(0, q, k, v, reference.plan(batch)).float()
+    backend = FlashInferAttentionBackend(cache, spec, prefill_kernel=prefill_kernel)
+    assert backend.prefill_q_dtype == (FP8 if prefill_kernel == "fa3" else torch.bfloat16)
+    out = backend.forward(0, q, k, v, backend.plan(batch))
+    assert out.dtype == torch.bfloat16
+    error = float((out.float() - expected).norm() / expected.norm())
+    print(f"prefill {prefill_kernel} over an FP8 cache: relative error {error:.2e}")
+    assert error < (FP8_QUERY_BOUND if prefill_kernel == "fa3" else 2e-2)
+    assert FlashInferAttentionBackend(cache, spec).prefill_kernels == "fa3"  # the default on Hopper
 
 
 @pytest.fixture(scope="module")

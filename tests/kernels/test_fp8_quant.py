@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tokenspeed_kernels.fp8_quant import quantize_rows, quantize_rows_reference
+from tokenspeed_kernels.fp8_quant import cast_to_e4m3, quantize_rows, quantize_rows_reference
 
+from app.worker.quantization.fp8 import quantize
 from app.worker.quantization.fp8 import quantize_rows as torch_quantize_rows
 
 
@@ -45,3 +46,21 @@ def test_strided_rows_and_bad_shapes() -> None:
         quantize_rows(torch.zeros(2, 3, 4))
     with pytest.raises(ValueError, match="contiguous"):
         quantize_rows(wide.t())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_cast_to_e4m3_gives_the_codes_at_scale_one(dtype: torch.dtype) -> None:
+    """The FP8 queries of flashinfer's FA3 prefill: torch's quantize(x, 1.0) codes, bit for bit, from
+    strided rows of a fused QKV output, values past +-448 saturated (the bare cast would give NaN), and
+    rows wider than a program (3 x 520 = 1560 elements)."""
+    gen = torch.Generator().manual_seed(3)
+    qkv = (torch.randn(5, 5 * 520, generator=gen) * torch.logspace(-4, 3, 5).view(5, 1)).to(dtype)
+    qkv[1, :3] = torch.tensor([1e4, -600.0, 447.0]).to(dtype)
+    q = qkv[:, : 3 * 520].view(5, 3, 520)  # rows 2600 apart
+    codes = cast_to_e4m3(q)
+    assert codes.dtype == torch.float8_e4m3fn and codes.shape == (5, 3, 520) and codes.is_contiguous()
+    assert torch.equal(codes.view(torch.uint8), quantize(q, 1.0).view(torch.uint8))
+    assert codes[1, 0, :3].float().tolist() == [448.0, -448.0, 448.0]
+    assert cast_to_e4m3(torch.zeros(0, 3, 8)).shape == (0, 3, 8)
+    with pytest.raises(ValueError, match="contiguous"):
+        cast_to_e4m3(torch.zeros(2, 8, 3).transpose(1, 2))

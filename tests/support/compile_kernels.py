@@ -118,6 +118,7 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
                         lambda q=q, kc=kc, cu=cu, s=scale: prefill_attention.paged_prefill_attention(
                             q, kc, kc.clone(), table, cu, lens, 2, 0.1, k_scale=s, v_scale=s)))  # fmt: skip
         out.append((f"quantize_rows {dtype} -> float8", lambda x=x: fp8_quant.quantize_rows(x)))
+        out.append((f"cast_to_e4m3 {dtype} -> float8", lambda q=q: fp8_quant.cast_to_e4m3(q)))
     indptr = torch.tensor([0, 2, 5], dtype=torch.int32)
     out.append(("flatten_block_tables", lambda: page_table.flatten_block_tables(table, indptr, 5)))
     out += gemv_cases(gemv)

@@ -132,9 +132,10 @@ run_kv_pool() {  # run_kv_pool NAME TIMEOUT [flags]: start-up and one decode ste
     --max-model-len 2048 --json "$RUN/$name.json" "$@"
 }
 run_offline() {  # run_offline NAME TIMEOUT [flags]: bench_offline on the model, dummy bf16 weights, flashinfer
-  local name=$1 limit=$2; shift 2
+  local name=$1 limit=$2; shift 2  # OFFLINE_FLAGS: more bench_offline flags (e.g. --gpu-memory-utilization)
+  # shellcheck disable=SC2086
   stage "$name" "$limit" python3 scripts/bench_offline.py --model $MODEL --load-format dummy --dtype bfloat16 \
-    --attention-backend flashinfer --json "$RUN/$name.json" "$@"
+    --attention-backend flashinfer --json "$RUN/$name.json" "$@" ${OFFLINE_FLAGS:-}
 }
 # The offline figure: 1000 requests of 1000 in / 1000 out. A bf16 KV token of the 8B model is
 # 32 layers x 8 heads x 128 x 2 (K, V) x 2 bytes = 128 KiB (8192 tokens per GiB): ~105 GiB of pool at

@@ -51,6 +51,8 @@
 #                            two halves overlapped on two streams (bench_overlap.py, OVERLAP_SPLITS): ~60 s + JIT
 #   prefill_fp8              prefill attention over an FP8 cache: FA2 with bf16 queries against FA3 with FP8
 #                            queries, time and error (bench_prefill_fp8.py): ~30 s + the FA3 JIT (minutes)
+#   xqa_layout               xqa decode over an FP8 cache (512 x 1500) per block size (XQA_BLOCKS) and layout
+#                            (NHD, HND), blocks in pool order and scattered (bench_xqa_layout.py): ~20 s + JIT
 #   scaled_mm                the FP8 GEMMs (_scaled_mm, row-wise) at 512 and 8704 rows, float32 against fast
 #                            accumulation: time, TFLOP/s, error (bench_scaled_mm.py): ~30 s
 #   tests_gemv               GPU tests of kernels/gemv.py and of the pipelined steps (no host sync at launch): ~60 s
@@ -72,7 +74,7 @@ export PYTHONUNBUFFERED=1
 MODEL=configs/models/llama-3.1-8b
 STAGES=${*:-roofline latency_triton tests latency_flashinfer latency_b32 offline hf tests_8b}
 KNOWN=" roofline latency_triton tests latency_flashinfer latency_b4 latency_pdl pieces latency_b32 offline offline_no_overlap latency_fp8 kv_pool \
-offline_1000 offline_1000_g512 offline_1000_fp8 offline_1000_fp8kv offline_b1 profile_prefill profile_b1_fp8 profile_b4 pyspy_b4 pyspy_prefill hf tests_8b idle serving serving_eager_prefill tests_tp latency_tp serving_dp tests_fp8kv tests_fp8w tests_decode tests_fi_decode tests_gemv gemv attn attn_sweep elementwise scaled_mm overlap prefill_fp8 "
+offline_1000 offline_1000_g512 offline_1000_fp8 offline_1000_fp8kv offline_b1 profile_prefill profile_b1_fp8 profile_b4 pyspy_b4 pyspy_prefill hf tests_8b idle serving serving_eager_prefill tests_tp latency_tp serving_dp tests_fp8kv tests_fp8w tests_decode tests_fi_decode tests_gemv gemv attn attn_sweep elementwise scaled_mm overlap prefill_fp8 xqa_layout "
 SERVING_MORE="stagger:4:0.5:32:128 b1:1:0:3:256"  # the serving stages' benchmarks after the first (serve_and_bench.sh)
 for s in $STAGES; do  # every name checked before anything runs
   [[ $KNOWN == *" $s "* ]] || { echo "unknown stage $s; known:$KNOWN"; exit 2; }
@@ -229,6 +231,8 @@ for s in $STAGES; do
     scaled_mm) stage scaled_mm 120 python3 scripts/gpu/bench_scaled_mm.py --json "$RUN/scaled_mm.json" ;;
     overlap) wait $WARM; stage overlap 200 python3 scripts/gpu/bench_overlap.py --splits "${OVERLAP_SPLITS:-256}" \
       --json "$RUN/overlap.json" ;;
+    xqa_layout) wait $WARM; stage xqa_layout 200 python3 scripts/gpu/bench_xqa_layout.py \
+      --block-sizes "${XQA_BLOCKS:-16,32,64}" --json "$RUN/xqa_layout.json" ;;
     prefill_fp8) wait $WARM; stage prefill_fp8 400 python3 scripts/gpu/bench_prefill_fp8.py --json "$RUN/prefill_fp8.json" ;;
     elementwise) stage elementwise 150 python3 scripts/gpu/bench_elementwise.py --json "$RUN/elementwise.json" ;;
     tests_fp8w) stage tests_fp8w 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_gpu.py \

@@ -179,22 +179,26 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def median_cuda_ms(fn: Any, iters: int) -> float:
+    """Median ms of fn() over iters runs, each timed with CUDA events on the current stream."""
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def time_graph_replay(runner: Any, batch: int, iters: int = 50) -> float | None:
     """Median ms of one replay of the batch's captured graph (its inputs as the last step left them)."""
     graphs = runner.graphs
     size = graphs.size_for(batch) if graphs is not None else None
     if size is None:
         return None
-    graph = graphs.graphs[size].graph
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return median_cuda_ms(graphs.graphs[size].graph.replay, iters)
 
 
 def copy_bandwidth(device: torch.device, iters: int = 10) -> float:
@@ -203,15 +207,14 @@ def copy_bandwidth(device: torch.device, iters: int = 10) -> float:
     src = torch.randn(1 << 29, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2 * src.numel() * src.element_size() / statistics.median(times)
+    return 2 * src.numel() * src.element_size() / (median_cuda_ms(lambda: dst.copy_(src), iters) / 1e3)
+
+
+def read_bandwidth(device: torch.device, iters: int = 10) -> float:
+    """Bytes read per second by torch's sum over 2 GiB (median): what a kernel that only reads can reach."""
+    x = torch.randn(1 << 29, device=device)
+    x.sum()
+    return x.numel() * x.element_size() / (median_cuda_ms(x.sum, iters) / 1e3)
 
 
 def prefill(runner: Any, seqs: list[NewSeq], prompts: list[list[int]], per_plan: int, last: bool) -> tuple[float, float]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ from tokenspeed_kernels.gemv import (  # noqa: E402
 )
 
 from app.worker.quantization.fp8 import Fp8Rows, quantize_rows  # noqa: E402
+from scripts.bench_latency import median_cuda_ms  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 ROTATE_BYTES = 256 << 20
@@ -93,15 +93,7 @@ def time_ms(fn, copies: int) -> float:
     with torch.cuda.graph(graph):
         for i in range(copies):
             fn(i)
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / copies)
-    return statistics.median(times)
+    return median_cuda_ms(graph.replay, 10) / copies
 
 
 def rotated_weights(n: int, k: int, kind: str) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:

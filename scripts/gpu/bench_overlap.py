@@ -35,7 +35,7 @@ from app.worker.attention.flashinfer_backend import FlashInferAttentionBackend  
 from app.worker.kv_cache import KVCache, KVCacheSpec  # noqa: E402
 from app.worker.quantization.fp8 import quantize_rows  # noqa: E402
 from app.worker.quantization.gemm import _scaled_mm_rowwise  # noqa: E402
-from scripts.gpu.bench_gemv import SHAPES  # noqa: E402
+from scripts.gpu.bench_gemv import SHAPES, time_ms  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 LAYERS = 8  # a graph's layers; KV layers and weight sets alternate between them
@@ -91,21 +91,8 @@ class Step:
 
 
 def graph_ms(body: Callable[[], None]) -> float:
-    """Median of 10 replays of a CUDA graph of body (which runs LAYERS layers), per layer."""
-    body()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[5] / LAYERS
+    """Per layer: the median replay of a CUDA graph of body (which runs LAYERS layers)."""
+    return time_ms(lambda _: body(), 1) / LAYERS
 
 
 def layers(*pieces: Callable[[int], None]) -> Callable[[], None]:

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from app.worker.attention.flashinfer_backend import XQA_WORKSPACE_BYTES, import_flashinfer  # noqa: E402
-from scripts.bench_latency import copy_bandwidth  # noqa: E402
+from scripts.bench_latency import copy_bandwidth, read_bandwidth  # noqa: E402
 from scripts.gpu.bench_gemv import time_ms  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -69,21 +69,6 @@ def run_case(fi, block: int, order: str, batch: int, context: int) -> list[dict]
     return rows
 
 
-def read_bandwidth(iters: int = 10) -> float:
-    """TB/s of a plain read: torch's sum over 2 GiB of float32 (what a kernel that only reads can reach)."""
-    x = torch.randn(1 << 29, device="cuda")
-    x.sum()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        x.sum()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return x.numel() * 4 / sorted(times)[iters // 2] / 1e9
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", default=None)
@@ -93,7 +78,7 @@ def main() -> None:
     args = parser.parse_args()
     fi = import_flashinfer()
     copy = copy_bandwidth(torch.device("cuda")) / 1e12
-    read = read_bandwidth()
+    read = read_bandwidth(torch.device("cuda")) / 1e12
     rows = []
     for block in map(int, args.block_sizes.split(",")):
         for order in ("pool order", "scattered"):

@@ -62,10 +62,6 @@ def run_case(fi, block: int, order: str, batch: int, context: int) -> list[dict]
         ms = time_ms(call, 20)
         rows.append({"block": block, "layout": layout, "order": order, "ms": ms, "tb_s": kv_bytes / ms / 1e9,
                      "diff_vs_nhd": ((got - first).norm() / first.norm()).item()})  # fmt: skip
-        if layout == "HND":
-            del caches
-    del nhd
-    torch.cuda.empty_cache()
     return rows
 
 
@@ -86,6 +82,7 @@ def main() -> None:
                 row["share_of_copy"] = row["tb_s"] / copy
                 rows.append(row)
                 print(row, flush=True)
+            torch.cuda.empty_cache()  # the case's caches, gone with its frame
     if args.json:
         Path(args.json).write_text(json.dumps({"copy_tb_s": copy, "read_tb_s": read, "rows": rows}, indent=1) + "\n")
     print(f"copy bandwidth {copy:.2f} TB/s, read (torch sum) {read:.2f} TB/s; {args.batch} sequences x {args.context} tokens, FP8 KV, one layer")

@@ -81,10 +81,12 @@ for s in $STAGES; do  # every name checked before anything runs
   [[ $KNOWN == *" $s "* ]] || { echo "unknown stage $s; known:$KNOWN"; exit 2; }
 done
 
-# Once per machine (a lock: parallel instances share /tmp/site).
-( flock 9; [ -e /tmp/site/.installed ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-  --upgrade --target /tmp/site .whl/*.whl \
-  && find /tmp/site -exec touch -h -d 2000-01-01 {} + && touch /tmp/site/.installed; } ) 9>/tmp/site.lock \
+# Once per machine and set of wheels (a lock: parallel instances share /tmp/site). The stamp holds the
+# wheels' names: a warm machine reinstalls when .whl/ changed since its last call.
+WHEELS=$(cd .whl && ls -- *.whl)
+( flock 9; [ "$(cat /tmp/site/.installed 2>/dev/null)" = "$WHEELS" ] || { python3 -m pip install -q --no-index \
+  --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && find /tmp/site -exec touch -h -d 2000-01-01 {} + && echo "$WHEELS" > /tmp/site/.installed; } ) 9>/tmp/site.lock \
   || { echo "wheel install failed"; exit 1; }
 mkdir -p /tmp/tsk && ln -sfn "$PWD/kernels" /tmp/tsk/tokenspeed_kernels
 export PYTHONPATH=/tmp/site:/tmp/tsk:$PWD PATH=/tmp/site/bin:$PATH

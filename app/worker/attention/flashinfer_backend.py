@@ -218,7 +218,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.decode_int_workspace = torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.prefill_kernels = self._prefill_kernels(prefill_kernel)
         # FA3 over an FP8 cache reads FP8 queries (see the module docstring).
-        self.prefill_q_dtype = FP8_KV_DTYPE if self.prefill_kernels == "fa3" and self.kv_dtype == FP8_KV_DTYPE else self.dtype
+        fp8_queries = self.prefill_kernels == "fa3" and self.kv_dtype == FP8_KV_DTYPE
+        self.prefill_q_dtype = FP8_KV_DTYPE if fp8_queries else self.dtype
         self.decode_kernel = decode_kernel or default_decode_kernel(
             self.kv_dtype, self.device, kv_cache.block_size, spec.head_dim
         )

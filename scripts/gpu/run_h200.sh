@@ -29,6 +29,7 @@
 #   pieces                   GPU tests of the piecewise CUDA graphs (prefill and mixed steps), then batch 1 and 4
 #                            (512-token prompts) with and without them: prefill time side by side: ~150 s
 #   latency_fp8              batch-1 flashinfer latency, bf16 weights then FP8 (quantized at load): ~70 s
+#   latency_fp8_triton       the same on the triton backend (the same decode kernels; no wait for the JIT)
 #   kv_pool                  start-up only, bf16 KV then FP8 KV: kv_pool_tokens of each: ~50 s, plus
 #                            ~110 s the first time for flashinfer's FP8-KV kernels (JIT; then cached)
 #   offline_no_overlap       the offline stage without step overlap (compare with offline): ~30 s
@@ -75,7 +76,7 @@ export PYTHONUNBUFFERED=1
 MODEL=configs/models/llama-3.1-8b
 STAGES=${*:-roofline latency_triton tests latency_flashinfer latency_b32 offline hf tests_8b}
 KNOWN=" roofline latency_triton tests latency_flashinfer latency_b4 latency_pdl pieces latency_b32 offline offline_no_overlap latency_fp8 kv_pool \
-offline_1000 offline_1000_g512 offline_1000_fp8 offline_1000_fp8kv offline_b1 profile_prefill profile_b1_fp8 profile_b4 pyspy_b4 pyspy_prefill hf tests_8b idle serving serving_eager_prefill tests_tp latency_tp serving_dp tests_fp8kv tests_fp8w tests_decode tests_fi_decode tests_gemv gemv attn attn_sweep elementwise scaled_mm overlap prefill_fp8 xqa_layout "
+latency_fp8_triton offline_1000 offline_1000_g512 offline_1000_fp8 offline_1000_fp8kv offline_b1 profile_prefill profile_b1_fp8 profile_b4 pyspy_b4 pyspy_prefill hf tests_8b idle serving serving_eager_prefill tests_tp latency_tp serving_dp tests_fp8kv tests_fp8w tests_decode tests_fi_decode tests_gemv gemv attn attn_sweep elementwise scaled_mm overlap prefill_fp8 xqa_layout "
 SERVING_MORE="stagger:4:0.5:32:128 b1:1:0:3:256"  # the serving stages' benchmarks after the first (serve_and_bench.sh)
 for s in $STAGES; do  # every name checked before anything runs
   [[ $KNOWN == *" $s "* ]] || { echo "unknown stage $s; known:$KNOWN"; exit 2; }
@@ -156,6 +157,9 @@ for s in $STAGES; do
   case $s in
     roofline) stage roofline 40 python3 scripts/gpu/roofline.py "$RUN/roofline.json" ;;
     latency_triton) latency latency_triton_b1 triton 1 ;;
+    # Batch 1 on the triton backend (the flashinfer backend's decode kernel for a 16-bit cache, and no
+    # wait for flashinfer's JIT): bf16 weights, then FP8.
+    latency_fp8_triton) latency latency_triton_b1_bf16w triton 1; latency latency_triton_b1_fp8w triton 1 --quantization fp8 ;;
     tests) stage tests_tiny 240 python3 -m pytest -q -p no:cacheprovider tests/gpu -k "not 8b and not flashinfer" ;;
     latency_flashinfer)
       wait $WARM
@@ -206,7 +210,7 @@ for s in $STAGES; do
     # The 1000-request stages do not wait for the background warm-up: their own start-up builds what
     # they need (flashinfer locks its JIT modules, so the two share one compile).
     offline_1000) fits offline_1000 280 && run_offline_1000 offline_1000 384 360 8192 ;;
-    offline_1000_g512) fits offline_1000_g512 280 && run_offline_1000 offline_1000_g512 384 360 8192 \
+    offline_1000_g512) fits offline_1000_g512 280 && run_latency_fp8_triton offline_1000 offline_1000_g512 384 360 8192 \
       --max-cudagraph-capture-size 512 ;;
     offline_1000_fp8) wait $WARM; fits offline_1000_fp8 170 && run_offline_1000 offline_1000_fp8 384 330 8192 --quantization fp8 ;;
     offline_1000_fp8kv) fits offline_1000_fp8kv 250 && run_offline_1000 offline_1000_fp8kv "${FP8KV_SEQS:-512}" 330 \

@@ -34,7 +34,7 @@ from app.worker.parallel import SINGLE, TensorParallel
 
 if TYPE_CHECKING:
     from app.worker.quantization import Fp8LinearMethod
-    from app.worker.quantization.fp8 import Fp8Rows
+    from app.worker.quantization.fp8 import Fp8Input
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ class DenseAttention(nn.Module):
             self.k_norm = RMSNorm(dims.head_dim, dims.eps, dtype)
         self.qk_norm = opts.qk_norm
 
-    def forward(self, hidden: torch.Tensor | Fp8Rows, rope: Rope, attn: AttentionMetadata) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor | Fp8Input, rope: Rope, attn: AttentionMetadata) -> torch.Tensor:
         d = self.dims
         q, k, v = self.qkv_proj.forward_split(hidden)
         q = q.view(-1, d.num_heads, d.head_dim)
@@ -130,10 +130,10 @@ class DenseMLP(nn.Module):
         self.act = SiluAndMul()
         self.down_proj = RowParallelLinear(dims.intermediate, dims.hidden, opts.mlp_bias, dtype, opts.quant, opts.tp)
 
-    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Input) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        # FP8: SiLU's output comes quantized
-        return self.down_proj(self.act(gate_up, self.down_proj.takes_quantized_rows()))
+        # FP8: SiLU's output comes in the form down_proj takes
+        return self.down_proj(self.act(gate_up, self.down_proj.handoff(gate_up.shape[0])))
 
 
 class DenseDecoderLayer(nn.Module):
@@ -151,14 +151,15 @@ class DenseDecoderLayer(nn.Module):
         first layer, whose input is the embedding). Returns this layer's MLP output and the stream
         before it. The adds are transformers' (in the activation dtype), each fused into the norm
         that follows it."""
-        quantize = self.self_attn.qkv_proj.takes_quantized_rows()  # FP8: the norm's output comes quantized
+        rows = hidden.shape[0]
+        handoff = self.self_attn.qkv_proj.handoff(rows)  # FP8: the norm's output in the form qkv_proj takes
         if residual is None:
-            residual, normed = hidden, self.input_layernorm(hidden, quantize)
+            residual, normed = hidden, self.input_layernorm(hidden, handoff)
         else:
-            normed, residual = self.input_layernorm.add_forward(hidden, residual, quantize)
+            normed, residual = self.input_layernorm.add_forward(hidden, residual, handoff)
         attn_out = self.self_attn(normed, rope, attn)
-        quantize = self.mlp.gate_up_proj.takes_quantized_rows()
-        normed, residual = self.post_attention_layernorm.add_forward(attn_out, residual, quantize)
+        handoff = self.mlp.gate_up_proj.handoff(rows)
+        normed, residual = self.post_attention_layernorm.add_forward(attn_out, residual, handoff)
         return self.mlp(normed), residual
 
 

@@ -3,9 +3,6 @@
 Rounded as torch rounds F.silu(gate) * up in the activation dtype: silu in float32, cast, then the
 product in that dtype.
 
-silu_and_mul_amax also gives partial maxima of the products' magnitudes (one a program), for the FP8
-GEMV that quantizes its input as it reads it (decode-sized batches, kernels/gemv.py's x_amax).
-
 silu_and_mul_fp8 also quantizes the products for the FP8 down projection: per-row e4m3 codes and
 float32 scales, bit for bit fp8_quant.quantize_rows(silu_and_mul(x)), in one launch. The scale needs
 the row's amax before any code is written, so one program takes a whole row: held in registers when it
@@ -38,18 +35,14 @@ def _silu_mul(x_row, offs, mask, n_cols):
 
 @triton.jit
 def _silu_and_mul_kernel(
-    x_ptr, out_ptr, amax_ptr, stride_x, stride_o, n_cols,
-    AMAX_OUT: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
+    x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
+):
     wait_for_predecessor(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
     y = _silu_mul(x_ptr + row * stride_x, offs, mask, n_cols)
     tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
-    if AMAX_OUT:  # this program's part of the row's amax: amax [rows, programs a row]
-        part = tl.max(tl.where(mask, tl.abs(y.to(tl.float32)), 0.0), axis=0)
-        tl.store(amax_ptr + row * tl.num_programs(1) + tl.program_id(1), part)
 
 
 @triton.jit
@@ -93,31 +86,15 @@ def _gate_up_rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-def _silu_and_mul(x: torch.Tensor, with_amax: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     x2 = _gate_up_rows(x)
     n = x2.shape[1] // 2
     out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
-    grid = (x2.shape[0], triton.cdiv(n, BLOCK))
-    amax = torch.empty(grid, dtype=torch.float32, device=x.device) if with_amax else None
     if x2.shape[0]:
-        _silu_and_mul_kernel[grid](
-            x2, out, out if amax is None else amax, x2.stride(0), out.stride(0), n, AMAX_OUT=with_amax,
-            BLOCK=BLOCK, **pdl_options(),
-        )  # fmt: skip
-    return out, amax
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    out = _silu_and_mul(x, with_amax=False)[0]
-    return out.view(*x.shape[:-1], out.shape[-1])
-
-
-def silu_and_mul_amax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., 2I] -> (silu_and_mul(x) as rows [M, I], partial maxima of their |values| [M, P] float32,
-    the row's amax their largest): what the FP8 GEMV quantizes as it reads it (kernels/gemv.py, x_amax),
-    from the plain kernel's programs (P a row) rather than silu_and_mul_fp8's one program a row."""
-    out, amax = _silu_and_mul(x, with_amax=True)
-    return out, amax
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, BLOCK))](
+            x2, out, x2.stride(0), out.stride(0), n, BLOCK=BLOCK, **pdl_options()
+        )
+    return out.view(*x.shape[:-1], n)
 
 
 def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -99,12 +99,6 @@ def row_scale(amax):
 
 
 @triton.jit
-def to_e4m3(x, scale):
-    """x's e4m3 codes at scale (a tensor of codes, as store_codes stores them)."""
-    return _quantize_e4m3(x, scale).to(tl.float8e4nv)
-
-
-@triton.jit
 def store_codes(x, scale, codes_ptrs, mask):
     tl.store(codes_ptrs, _quantize_e4m3(x, scale).to(codes_ptrs.dtype.element_ty), mask=mask)
 

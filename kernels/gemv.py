@@ -40,7 +40,6 @@ from .common import (
     pdl_options,
     wait_for_predecessor,
 )
-from .fp8_quant import row_scale, to_e4m3
 
 MAX_M = 16
 FMA_MAX_M = 4
@@ -68,9 +67,8 @@ class GemvConfig:
     def block_m(self, m: int) -> int:
         return 16 if self.use_dot else triton.next_power_of_2(m)
 
-    def problem(self, m: int, weight_dtype: torch.dtype, x_dtype: torch.dtype, x_amax: bool = False) -> str | None:
-        """Why this configuration cannot serve m rows of x_dtype against weight_dtype (None: it can);
-        x_amax: 16-bit x that the kernel quantizes (FP8 operands)."""
+    def problem(self, m: int, weight_dtype: torch.dtype, x_dtype: torch.dtype) -> str | None:
+        """Why this configuration cannot serve m rows of x_dtype against weight_dtype (None: it can)."""
         if self.split_k < 1 or m > (MAX_M if self.use_dot else FMA_MAX_M):
             return f"config {self} cannot serve {m} rows"
         if self.fp16_operands and (
@@ -79,8 +77,8 @@ class GemvConfig:
             return f"config {self}: float16 operands serve FP8 weights, 16-bit x and the DOT body"
         if self.fp8_operands and (not self.use_dot or weight_dtype != FP8_DTYPE or self.fp16_operands):
             return f"config {self}: FP8 operands serve FP8 weights and the DOT body"
-        if (x_dtype == FP8_DTYPE or x_amax) != self.fp8_operands:
-            return f"config {self}: FP8 operands go with x as FP8 codes (or quantized here), and only with them"
+        if (x_dtype == FP8_DTYPE) != self.fp8_operands:
+            return f"config {self}: FP8 operands go with x as FP8 codes, and only with them"
         return None
 
 
@@ -92,32 +90,6 @@ def _load_k_tile(rows, kk, k_end, row_ok, EVEN_K: tl.constexpr):
     else:
         tile = tl.load(rows + kk[None, :], mask=row_ok[:, None] & (kk < k_end)[None, :], other=0.0)
     return tile
-
-
-@triton.jit
-def _x_scales(xs_ptr, rm, m_ok, FP8_OPERANDS: tl.constexpr, X_AMAX: tl.constexpr, AMAX_PARTS: tl.constexpr,
-              AMAX_BLOCK: tl.constexpr):  # fmt: skip
-    """x's per-row scales [BLOCK_M] (FP8 operands; else unused ones): given with x's codes, or, X_AMAX,
-    made as quantize_rows makes them from the rows' amax, the largest of their AMAX_PARTS partial ones."""
-    if X_AMAX:
-        parts = tl.arange(0, AMAX_BLOCK)
-        ok = m_ok[:, None] & (parts < AMAX_PARTS)[None, :]
-        amax = tl.max(tl.load(xs_ptr + rm[:, None] * AMAX_PARTS + parts[None, :], mask=ok, other=0.0), axis=1)
-        scale = row_scale(amax)
-    elif FP8_OPERANDS:
-        scale = tl.load(xs_ptr + rm, mask=m_ok, other=0.0)
-    else:
-        scale = tl.full(rm.shape, 1.0, tl.float32)
-    return scale
-
-
-@triton.jit
-def _x_tile(x_rows, kk, k_end, m_ok, EVEN_K: tl.constexpr, X_AMAX: tl.constexpr, x_scale):
-    """x's tile at kk; X_AMAX: the 16-bit rows quantized here, the codes quantize_rows gives."""
-    x = _load_k_tile(x_rows, kk, k_end, m_ok, EVEN_K)
-    if X_AMAX:
-        x = to_e4m3(x, x_scale[:, None])
-    return x
 
 
 @triton.jit
@@ -149,7 +121,6 @@ def _gemv_kernel(
     stride_xm, stride_wn, stride_om, stride_os,
     HAS_SCALE: tl.constexpr, USE_DOT: tl.constexpr, W_AS_A: tl.constexpr, FP16_OPERANDS: tl.constexpr,
     FP8_OPERANDS: tl.constexpr,
-    X_AMAX: tl.constexpr, AMAX_PARTS: tl.constexpr, AMAX_BLOCK: tl.constexpr,
     X_PRESCALE: tl.constexpr, OUT_FACTOR: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -178,14 +149,12 @@ def _gemv_kernel(
         # that kernel finishes. x does, so it waits. (Without PDL the loop's own pipelining is faster.)
         w = _load_k_tile(w_rows, k_start + rk, k_end, n_ok, EVEN_K)
         wait_for_predecessor(USE_PDL)
-    x_scale = _x_scales(xs_ptr, rm, m_ok, FP8_OPERANDS, X_AMAX, AMAX_PARTS, AMAX_BLOCK)
-    if USE_PDL:
-        x = _x_tile(x_rows, k_start + rk, k_end, m_ok, EVEN_K, X_AMAX, x_scale)
+        x = _load_k_tile(x_rows, k_start + rk, k_end, m_ok, EVEN_K)
         acc = _accumulate(acc, w, x, USE_DOT, W_AS_A, FP16_OPERANDS, FP8_OPERANDS, X_PRESCALE, PRECISION)
         k_loop += BLOCK_K
     for k0 in range(k_loop, k_end, BLOCK_K):
         w = _load_k_tile(w_rows, k0 + rk, k_end, n_ok, EVEN_K)
-        x = _x_tile(x_rows, k0 + rk, k_end, m_ok, EVEN_K, X_AMAX, x_scale)
+        x = _load_k_tile(x_rows, k0 + rk, k_end, m_ok, EVEN_K)
         acc = _accumulate(acc, w, x, USE_DOT, W_AS_A, FP16_OPERANDS, FP8_OPERANDS, X_PRESCALE, PRECISION)
     if not USE_DOT:
         acc = tl.sum(acc, axis=2)
@@ -194,7 +163,7 @@ def _gemv_kernel(
     if OUT_FACTOR != 1.0:
         acc = acc * OUT_FACTOR
     if FP8_OPERANDS:  # x's per-token scales: linear, so partial sums take them too
-        acc = acc * x_scale[:, None]
+        acc = acc * tl.load(xs_ptr + rm, mask=m_ok, other=0.0)[:, None]
     out_mask = m_ok[:, None] & n_ok[None, :]
     if PARTIAL:
         tl.store(out_ptr + pid_k * stride_os + rm[:, None] * stride_om + rn[None, :], acc, mask=out_mask)
@@ -288,34 +257,26 @@ def pick_config(m: int, n: int, k: int, weight_dtype: torch.dtype, fp8_x: bool =
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
          config: GemvConfig | None = None, x_scale: torch.Tensor | None = None,
-         out_dtype: torch.dtype | None = None, x_amax: torch.Tensor | None = None) -> torch.Tensor:
+         out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [M, K] (M <= MAX_M; float16, bfloat16 or float32, or FP8 codes with per-row scales x_scale [M] or
     [M, 1]), weight [N, K] 16-bit or float8_e4m3fn, scale [N] float32 for FP8 codes (None for a 16-bit
-    weight) -> [M, N] in out_dtype (default: x's dtype; needed for codes).
-    x_amax [M, P] float32 (16-bit x, FP8 weight): partial maxima of |x|'s rows, whose largest is the row's
-    amax; x is then quantized per row as it is read, to the codes and scales quantize_rows gives, and
-    multiplied as those would be (W8A8), bit for bit, without their launch and round trip."""
+    weight) -> [M, N] in out_dtype (default: x's dtype; needed for codes)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
     n = weight.shape[0]
-    _check(x, weight, scale, m, k, n, x_scale, out_dtype, x_amax)
-    fp8_x = x.dtype == FP8_DTYPE or x_amax is not None
-    cfg = config or pick_config(m, n, k, weight.dtype, fp8_x=fp8_x)
+    _check(x, weight, scale, m, k, n, x_scale, out_dtype)
+    cfg = config or pick_config(m, n, k, weight.dtype, fp8_x=x.dtype == FP8_DTYPE)
     if config is None and cfg.fp16_operands and x.dtype == torch.float32:
         cfg = replace(cfg, fp16_operands=False)  # float32 x keeps its precision
-    problem = cfg.problem(m, weight.dtype, x.dtype, x_amax is not None)
+    problem = cfg.problem(m, weight.dtype, x.dtype)
     if problem is not None:
         raise ValueError(problem)
     prescale = cfg.fp16_operands and x.dtype == torch.bfloat16
     out_factor = 256.0 if prescale else 1.0
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     scale_arg = y if scale is None else scale.reshape(-1).float().contiguous()  # unread when HAS_SCALE is off
-    if x_amax is not None:
-        xs_arg = x_amax.contiguous()
-    else:  # read with FP8 operands only
-        xs_arg = y if x_scale is None else x_scale.reshape(-1).float().contiguous()
-    amax_parts = 1 if x_amax is None else x_amax.shape[1]
+    xs_arg = y if x_scale is None else x_scale.reshape(-1).float().contiguous()  # read with FP8 operands only
     # Each split covers a whole number of blocks: only the last may run past K.
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     splits = triton.cdiv(k, k_per_split)
@@ -325,8 +286,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
         x, xs_arg, weight, scale_arg, out, m, n, k, k_per_split, x.stride(0), weight.stride(0),
         out.stride(-2), out.stride(0) if partial else 0,
         HAS_SCALE=scale is not None, USE_DOT=cfg.use_dot, W_AS_A=cfg.w_as_a, FP16_OPERANDS=cfg.fp16_operands,
-        FP8_OPERANDS=cfg.fp8_operands, X_AMAX=x_amax is not None, AMAX_PARTS=amax_parts,
-        AMAX_BLOCK=triton.next_power_of_2(amax_parts), X_PRESCALE=prescale, OUT_FACTOR=out_factor, PARTIAL=partial, EVEN_K=k % cfg.block_k == 0,
+        FP8_OPERANDS=cfg.fp8_operands,
+        X_PRESCALE=prescale, OUT_FACTOR=out_factor, PARTIAL=partial, EVEN_K=k % cfg.block_k == 0,
         PRECISION=dot_precision(torch.float16 if cfg.fp16_operands or cfg.fp8_operands else x.dtype),
         BLOCK_M=cfg.block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(),
@@ -341,8 +302,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, m: int, k: int, n: int,
-           x_scale: torch.Tensor | None, out_dtype: torch.dtype | None,
-           x_amax: torch.Tensor | None) -> None:  # fmt: skip
+           x_scale: torch.Tensor | None, out_dtype: torch.dtype | None) -> None:  # fmt: skip
     if not 1 <= m <= MAX_M:
         raise ValueError(f"gemv serves 1 to {MAX_M} rows, got {m}")
     if weight.dim() != 2 or weight.shape[1] != k or weight.dtype not in WEIGHT_DTYPES:
@@ -354,12 +314,6 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, m:
         raise ValueError(f"x as FP8 codes needs M={m} row scales and an out_dtype")
     if x.dtype != FP8_DTYPE and x_scale is not None:
         raise ValueError(f"row scales go with x as FP8 codes, not {x.dtype}")
-    if x_amax is not None and (
-        x.dtype not in (torch.float16, torch.bfloat16) or weight.dtype != FP8_DTYPE
-        or x_amax.dim() != 2 or x_amax.shape[0] != m or x_amax.dtype != torch.float32
-    ):
-        raise ValueError(f"x_amax goes with 16-bit x and FP8 weights, as [M={m}, parts] float32; got x "
-                         f"{x.dtype}, weight {weight.dtype}, x_amax {tuple(x_amax.shape)} {x_amax.dtype}")
     check_last_dim_contiguous("weight", weight)
 
 

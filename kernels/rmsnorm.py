@@ -3,9 +3,6 @@ statistics in float32, the normalised row cast back to the input dtype, then tim
 that dtype. The fused form first forms residual = x + residual in the input dtype (transformers'
 `hidden = residual + hidden`), stores it, and normalises it: one read of each input, two writes.
 
-rms_norm_amax / add_rms_norm_amax store the normalised rows and each row's amax, for the FP8 GEMV that
-quantizes its input as it reads it (decode-sized batches, kernels/gemv.py's x_amax).
-
 rms_norm_fp8 / add_rms_norm_fp8 also quantize the normalised row for the FP8 linear that reads it
 (per-row e4m3 codes and float32 scales): the same kernel with FP8_OUT set, so that the row, rounded to
 the output dtype exactly as rms_norm stores it, gets fp8_quant.quantize_rows' codes and scale, bit for
@@ -39,7 +36,6 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     FP8_OUT: tl.constexpr,
-    AMAX_OUT: tl.constexpr,
     CODES_VECTOR: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -64,8 +60,6 @@ def _rms_norm_kernel(
         quantize_row_in_registers(y, out_ptr + row * stride_o + offs, mask, scales_ptr + row)
     else:
         tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
-        if AMAX_OUT:  # scales_ptr holds the rows' amax
-            tl.store(scales_ptr + row, tl.max(tl.where(mask, tl.abs(y.to(tl.float32)), 0.0), axis=0))
 
 
 def _codes_vector(x: torch.Tensor, weight: torch.Tensor) -> int:
@@ -93,19 +87,16 @@ def _norm_rows(
     out: torch.Tensor,
     scales: torch.Tensor | None,
 ) -> None:
-    """The kernel over x's rows into out [rows, K]: the normalised rows, or their FP8 codes when out holds
-    codes and scales [rows, 1] is given; normalised rows with scales given get their amax there. All come
-    from one launch configuration, so that the row sums (whose order depends on it) and hence the rows are
-    the same."""
-    fp8_out = out.dtype == FP8_DTYPE
+    """The kernel over x's rows into out [rows, K]: the normalised rows, or their FP8 codes when scales
+    [rows, 1] is given. Both outputs come from one launch configuration, so that the row sums (whose
+    order depends on it) and hence the rows are the same."""
     _check_rows(x, residual)
     x2 = x.reshape(-1, x.shape[-1])
     res2 = residual.view(-1, residual.shape[-1]) if residual is not None else x2
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](
             x2, res2, weight, out, scales if scales is not None else out, x2.stride(0), res2.stride(0),
-            out.stride(0), x2.shape[1], eps, HAS_RESIDUAL=residual is not None, FP8_OUT=fp8_out,
-            AMAX_OUT=scales is not None and not fp8_out,
+            out.stride(0), x2.shape[1], eps, HAS_RESIDUAL=residual is not None, FP8_OUT=scales is not None,
             CODES_VECTOR=_codes_vector(x, weight), BLOCK=next_power_of_2(x2.shape[1]), **pdl_options(),
         )  # fmt: skip
 
@@ -117,16 +108,14 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     return out.view(*x.shape[:-1], x.shape[-1])
 
 
-def _launch_with_scales(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, codes: bool
+def _launch_fp8(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(FP8 codes [M, K], scales [M, 1]) if codes, else (normalised rows [M, K], their amax [M, 1])."""
     rows = math.prod(x.shape[:-1])
-    out_dtype = FP8_DTYPE if codes else torch.promote_types(weight.dtype, x.dtype)
-    out = torch.empty(rows, x.shape[-1], dtype=out_dtype, device=x.device)
+    codes = torch.empty(rows, x.shape[-1], dtype=FP8_DTYPE, device=x.device)
     scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
-    _norm_rows(x, residual, weight, eps, out, scales)
-    return out, scales
+    _norm_rows(x, residual, weight, eps, codes, scales)
+    return codes, scales
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -141,27 +130,14 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] -> (FP8 codes [M, K], float32 scales [M, 1]), M the number of rows of x:
     quantize_rows(rms_norm(x, weight, eps)) flattened to rows, in one launch."""
-    return _launch_with_scales(x, None, weight, eps, codes=True)
+    return _launch_fp8(x, None, weight, eps)
 
 
 def add_rms_norm_fp8(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """residual <- x + residual (in place, as add_rms_norm); returns rms_norm_fp8(residual)."""
-    return _launch_with_scales(x, residual, weight, eps, codes=True)
-
-
-def rms_norm_amax(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., K] -> (rms_norm(x) as rows [M, K], each row's amax [M, 1] float32), in one launch: what the
-    FP8 GEMV quantizes as it reads it (kernels/gemv.py, x_amax)."""
-    return _launch_with_scales(x, None, weight, eps, codes=False)
-
-
-def add_rms_norm_amax(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """residual <- x + residual (in place, as add_rms_norm); returns rms_norm_amax(residual)."""
-    return _launch_with_scales(x, residual, weight, eps, codes=False)
+    return _launch_fp8(x, residual, weight, eps)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

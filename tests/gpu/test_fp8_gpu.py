@@ -31,7 +31,7 @@ from app.worker.quantization import (
     quantize_rows,
     quantized_layers,
 )
-from app.worker.quantization.fp8 import Handoff
+from app.worker.quantization.fp8 import Fp8Rows
 from app.worker.quantization.gemm import GEMV_MAX_ROWS
 from tests.gpu.test_model_runner_gpu import LLAMA_31_8B, settings
 from tests.support.model_factory import build_tiny_model, write_fp8_checkpoint
@@ -173,25 +173,21 @@ def test_fp8_model_on_cuda_uses_scaled_mm_and_matches_the_emulated_path(tmp_path
 def test_fp8_model_hands_quantized_rows_over_with_the_same_logits(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Norms and SiLU-and-mul hand their outputs to the FP8 linears quantized (cuBLAS beyond GEMV_MAX_ROWS
-    rows) or with their amax (the W8A8 GEMV up to it, quantizing as it reads): the logits of quantizing
-    inside each linear, bit for bit."""
+    """Norms and SiLU-and-mul quantizing their outputs for the FP8 GEMMs (cuBLAS beyond GEMV_MAX_ROWS
+    rows, the W8A8 GEMV up to it) give the logits of quantizing inside each linear, bit for bit."""
     model_dir = build_tiny_model("llama", tmp_path, seed=5, initializer_range=0.1)
     runner = ModelRunner(settings(model_dir, quantization="fp8", block_size=4), CUDA)
     prompts = prompts_for(runner.vocab_size, [3, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 60])
-    inputs: list[tuple[int, str]] = []
+    inputs: list[bool] = []
     project = Linear.project
-    rows = lambda x: (x if isinstance(x, torch.Tensor) else x[0]).shape[0]  # noqa: E731
-    monkeypatch.setattr(Linear, "project", lambda self, x, bias: inputs.append((rows(x), type(x).__name__))
+    monkeypatch.setattr(Linear, "project", lambda self, x, bias: inputs.append(isinstance(x, Fp8Rows))
                         or project(self, x, bias))  # fmt: skip
     handed_over = torch.cat(prefill_logits_cuda(runner, prompts))
-    forms = {(rows <= GEMV_MAX_ROWS, form) for rows, form in inputs}
-    assert forms == {(True, "RowsWithAmax"), (False, "Fp8Rows"), (True, "Tensor"), (False, "Tensor")}
-    assert sum(form == "Tensor" for _, form in inputs) == len(inputs) // 4  # o_proj's
-    monkeypatch.setattr(Linear, "handoff", lambda self, rows: Handoff.PLAIN)
+    assert sum(inputs) == 3 * len(inputs) // 4  # all but o_proj's
+    monkeypatch.setattr(Linear, "takes_quantized_rows", lambda self: False)
     inputs.clear()
     assert torch.equal(handed_over, torch.cat(prefill_logits_cuda(runner, prompts)))
-    assert {form for _, form in inputs} == {"Tensor"}
+    assert inputs and not any(inputs)
 
 
 def prefill_logits_cuda(runner: ModelRunner, prompts: list[list[int]]) -> list[torch.Tensor]:

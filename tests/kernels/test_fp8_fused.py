@@ -1,8 +1,7 @@
 """FP8 quantization fused into the kernels that produce the activations (rms_norm_fp8, add_rms_norm_fp8,
 silu_and_mul_fp8) and quantize_rows' one-pass and looped paths, under the interpreter: each fused kernel
 gives the codes (compared as bytes) and scales of quantize_rows over the unfused kernel's output, bit for
-bit, and the residual add_rms_norm's. The _amax forms give the unfused kernel's rows and their amax
-(the largest of their partial maxima), for the GEMV that quantizes as it reads. Rows of many magnitudes, an all-zero row, an empty batch and
+bit, and the residual add_rms_norm's. Rows of many magnitudes, an all-zero row, an empty batch and
 widths that are not powers of two. The looped paths run with fp8_quant.MAX_ROW_IN_REGISTERS lowered.
 
 The norm's bits on the GPU also depend on the order its row sum adds in, which the interpreter cannot
@@ -25,20 +24,13 @@ from pathlib import Path
 import pytest
 import torch
 from tokenspeed_kernels import fp8_quant
-from tokenspeed_kernels.activation import (
-    silu_and_mul,
-    silu_and_mul_amax,
-    silu_and_mul_fp8,
-    silu_and_mul_reference,
-)
+from tokenspeed_kernels.activation import silu_and_mul, silu_and_mul_fp8, silu_and_mul_reference
 from tokenspeed_kernels.fp8_quant import quantize_rows, row_plan
 from tokenspeed_kernels.rmsnorm import (
     add_rms_norm,
-    add_rms_norm_amax,
     add_rms_norm_fp8,
     add_rms_norm_reference,
     rms_norm,
-    rms_norm_amax,
     rms_norm_fp8,
     rms_norm_reference,
 )
@@ -155,32 +147,6 @@ def test_add_rms_norm_fp8_equals_quantize_rows_of_add_rms_norm(
     assert_close_to(got, add_rms_norm_reference(x, residual.clone(), weight, EPS))
 
 
-def assert_rows_with_amax(got: tuple[torch.Tensor, torch.Tensor], want: torch.Tensor) -> None:
-    values, amax = got
-    assert amax.dtype == torch.float32 and amax.shape[0] == values.shape[0]
-    assert torch.equal(values, want.reshape(values.shape))
-    assert torch.equal(amax.amax(dim=1), values.float().abs().amax(dim=1))
-    assert amax.amax() > 0
-
-
-@pytest.mark.parametrize(("x_dtype", "w_dtype"), NORM_DTYPES[:3])
-@pytest.mark.parametrize("residual", [False, True])
-def test_norms_amax_give_the_rows_of_rms_norm_and_their_amax(
-    x_dtype: torch.dtype, w_dtype: torch.dtype, residual: bool
-) -> None:
-    x, weight = norm_inputs(6, 300, x_dtype, w_dtype)
-    if not residual:
-        got = rms_norm_amax(x.view(2, 3, 300), weight, EPS)
-        assert got[1].shape == (6, 1)
-        assert_rows_with_amax(got, rms_norm(x, weight, EPS))
-        return
-    res = torch.randn(6, 300, generator=gen(7)).to(x_dtype)
-    fused_residual, unfused_residual = res.clone(), res.clone()
-    got = add_rms_norm_amax(x, fused_residual, weight, EPS)
-    assert_rows_with_amax(got, add_rms_norm(x, unfused_residual, weight, EPS))
-    assert torch.equal(fused_residual, unfused_residual)
-
-
 def test_norms_fp8_take_leading_dims_and_strided_rows() -> None:
     x, weight = norm_inputs(8, 96, torch.float16, torch.float16)
     x3 = x.view(2, 4, 96)
@@ -250,15 +216,6 @@ def test_silu_and_mul_fp8_leading_dims_strided_rows_and_empty_batch(
         silu_and_mul_fp8(torch.zeros(2, 7))
 
 
-def test_silu_and_mul_amax_gives_the_products_and_a_partial_amax_a_program() -> None:
-    x = gate_up(5, 2500, torch.float16)  # 3 programs a row
-    got = silu_and_mul_amax(x.view(5, 1, 5000))
-    assert got[1].shape == (5, 3)
-    assert_rows_with_amax(got, silu_and_mul(x))
-    values, amax = silu_and_mul_amax(torch.zeros(0, 2, 32))
-    assert values.shape == (0, 16) and amax.shape == (0, 1)
-
-
 # The sm_90 compile: the fused norms sum the squares as rms_norm does -----------------------------
 
 IR_CASES = [  # (x dtype, weight dtype, width, residual)
@@ -292,9 +249,8 @@ def sum_of_squares_ir(ttgir: str) -> str:
 
 
 def compare_norm_ir() -> int:
-    """Run in a fresh process: compiles rms_norm, rms_norm_fp8 and rms_norm_amax (or the add_ forms) of each
-    IR_CASES for sm_90 through compile_kernels' stand-in driver; prints the cases whose sums differ from
-    rms_norm's, returns their count."""
+    """Run in a fresh process: compiles rms_norm and rms_norm_fp8 (or the add_ forms) of each IR_CASES for
+    sm_90 through compile_kernels' stand-in driver; prints the cases whose sums differ, returns their count."""
     import triton.runtime.jit as jit
     from triton.runtime import driver
 
@@ -314,16 +270,15 @@ def compare_norm_ir() -> int:
         x, w = torch.zeros(2, k, dtype=getattr(torch, x_dtype)), torch.zeros(k, dtype=getattr(torch, w_dtype))
         compiled.clear()
         if residual:
-            for norm in (add_rms_norm, add_rms_norm_fp8, add_rms_norm_amax):
-                norm(x, x.clone(), w, EPS)
+            add_rms_norm(x, x.clone(), w, EPS)
+            add_rms_norm_fp8(x, x.clone(), w, EPS)
         else:
-            for norm in (rms_norm, rms_norm_fp8, rms_norm_amax):
-                norm(x, w, EPS)
-        unfused, *fused = (sum_of_squares_ir(kernel.asm["ttgir"]) for kernel in compiled)
-        for name, ir in zip(("fp8", "amax"), fused, strict=True):
-            if unfused != ir or "tt.reduce" not in ir:
-                differ += 1
-                print(f"{name} differs: {x_dtype} x, {w_dtype} weight, {k} wide, residual {residual}")
+            rms_norm(x, w, EPS)
+            rms_norm_fp8(x, w, EPS)
+        unfused, fused = (sum_of_squares_ir(kernel.asm["ttgir"]) for kernel in compiled)
+        if unfused != fused or "tt.reduce" not in fused:
+            differ += 1
+            print(f"differ: {x_dtype} x, {w_dtype} weight, {k} wide, residual {residual}")
     return differ
 
 

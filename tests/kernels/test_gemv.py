@@ -23,7 +23,7 @@ from tokenspeed_kernels.gemv import (
 )
 
 from app.worker.quantization import fp8_linear
-from app.worker.quantization.fp8 import Fp8Rows, RowsWithAmax, quantize, quantize_rows
+from app.worker.quantization.fp8 import Fp8Rows, quantize, quantize_rows
 from app.worker.quantization.gemm import SCALED_MM_ROWWISE, SCALED_MM_TENSORWISE
 from tests.support.numerics import relative_error
 
@@ -131,33 +131,6 @@ def test_w8a8_gemv_multiplies_codes_by_codes(m: int, n: int, k: int, config: str
     assert relative_error(got, gemv_reference(codes, w, scale, x_scale, torch.float16)) < REL_TOL[torch.float16]
 
 
-@pytest.mark.parametrize("config", list(W8A8_CONFIGS))
-@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
-def test_gemv_quantizing_rows_with_their_amax_gives_the_codes_product(m: int, n: int, k: int, config: str) -> None:
-    """16-bit x with partial maxima of its rows (x_amax, [M, P]): quantized as the kernel reads it, the
-    product of quantize_rows' codes and scales, bit for bit."""
-    cfg = W8A8_CONFIGS[config]
-    w, scale = weight(n, k, seed=m + n, fp8=True)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(torch.float16) * 3
-    x[0] = 0.0  # an all-zero row
-    codes, x_scale = quantize_rows(x)
-    want = gemv(codes, w, scale, cfg, x_scale, torch.float16)
-    for parts in (1, 3):
-        x_amax = torch.stack([piece.float().abs().amax(dim=1) for piece in x.tensor_split(parts, dim=1)], dim=1)
-        assert torch.equal(gemv(x, w, scale, cfg, x_amax=x_amax), want)
-
-
-def test_gemv_refuses_an_amax_it_cannot_use() -> None:
-    w, scale = weight(16, 32, seed=0, fp8=True)
-    x = torch.randn(2, 32).half()
-    amax = x.float().abs().amax(dim=1, keepdim=True)
-    for bad_x, bad_w, bad_amax in ((x.float(), w, amax), (x, w.half(), amax), (x, w, amax[:1]), (x, w, amax.half())):
-        with pytest.raises(ValueError, match="x_amax goes with 16-bit x and FP8 weights"):
-            gemv(bad_x, bad_w, None if bad_w.dtype == torch.float16 else scale, x_amax=bad_amax)
-    with pytest.raises(ValueError, match="FP8 operands go with x as FP8 codes"):
-        gemv(x, w, scale, GemvConfig(True, 16, 32), x_amax=amax)
-
-
 def test_w8a8_gemv_refuses_codes_without_their_scales() -> None:
     w, scale = weight(16, 32, seed=0, fp8=True)
     codes, x_scale = quantize_rows(torch.randn(2, 32))
@@ -178,8 +151,7 @@ def test_w8a8_gemv_refuses_codes_without_their_scales() -> None:
 @pytest.mark.parametrize("backend", [SCALED_MM_ROWWISE, SCALED_MM_TENSORWISE])
 def test_decode_sized_batches_take_the_w8a8_gemv(backend: str) -> None:
     """Up to GEMV_MAX_ROWS rows the FP8-capable backends run the GEMV on x quantized per token (W8A8, the
-    numbers of the larger batches): quantized inside, handed over as Fp8Rows, or as rows with their amax
-    (quantized by the GEMV as it reads them), bit for bit the same;
+    numbers of the larger batches): quantized inside, or handed over as Fp8Rows, bit for bit the same;
     a static input scale quantizes x before the GEMV."""
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(5, 64, generator=gen).to(torch.float16)
@@ -191,8 +163,6 @@ def test_decode_sized_batches_take_the_w8a8_gemv(backend: str) -> None:
     assert torch.allclose(got.float(), want.float(), rtol=2**-9, atol=2e-3)
     handed = fp8_linear(Fp8Rows.of(x), w_codes, w_scale.view(1, -1), None, bias, backend)
     assert torch.equal(handed, got)
-    with_amax = fp8_linear(RowsWithAmax.of(x), w_codes, w_scale.view(1, -1), None, bias, backend)
-    assert torch.equal(with_amax, got)
     static = torch.tensor(0.05)
     got_static = fp8_linear(x, w_codes, w_scale.view(1, -1), static, None, backend)
     want_static = gemv_reference(quantize(x, static), w_codes, w_scale.view(-1), static.expand(5), torch.float16)

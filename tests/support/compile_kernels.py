@@ -137,8 +137,6 @@ def fused_fp8_cases(  # noqa: ANN001
         (f"rms_norm_fp8 {dtype} -> float8", lambda: rmsnorm.rms_norm_fp8(x, w, 1e-6)),
         (f"add_rms_norm_fp8 {dtype} -> float8", lambda: rmsnorm.add_rms_norm_fp8(x, x.clone(), w, 1e-6)),
         (f"silu_and_mul_fp8 {dtype} -> float8", lambda: activation.silu_and_mul_fp8(x)),
-        (f"rms_norm_amax {dtype}", lambda: rmsnorm.add_rms_norm_amax(x, x.clone(), w, 1e-6)),
-        (f"silu_and_mul_amax {dtype}", lambda: activation.silu_and_mul_amax(xw)),
         (f"silu_and_mul_fp8 {dtype} -> float8, rows of {wide}", lambda: activation.silu_and_mul_fp8(xw)),
         (f"quantize_rows {dtype} -> float8, rows of {wide}", lambda: fp8_quant.quantize_rows(xw[:, :wide])),
     ]
@@ -172,11 +170,8 @@ def w8a8_gemv_cases(gemv) -> list[tuple[str, Callable[[], object]]]:  # noqa: AN
     configs = {gemv.pick_config(m, n, k, FP8, fp8_x=True) for m in gemv.ROW_BUCKETS}
     configs |= {c for (f, *_), c in gemv._MEASURED.items() if f == "w8a8"}
     x, x_scale = torch.zeros(1, k).to(FP8), torch.ones(1, 1)
-    x16, x_amax = torch.zeros(1, k, dtype=torch.bfloat16), torch.ones(1, 14)  # x quantized by the GEMV
     return [(f"gemv {FP8} x {FP8} {config}",
-             lambda c=config: gemv.gemv(x, w, scale, c, x_scale, torch.bfloat16)) for config in configs] + [
-        (f"gemv {FP8} x bfloat16 with its amax {config}",
-         lambda c=config: gemv.gemv(x16, w, scale, c, x_amax=x_amax)) for config in configs]  # fmt: skip
+             lambda c=config: gemv.gemv(x, w, scale, c, x_scale, torch.bfloat16)) for config in configs]  # fmt: skip
 
 
 def main() -> int:

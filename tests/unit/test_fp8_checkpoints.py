@@ -31,7 +31,7 @@ from app.worker.layers import Linear
 from app.worker.loader import CheckpointError
 from app.worker.model_runner import ModelRunner
 from app.worker.quantization import FP8_DTYPE, QuantizationError, quantized_layers
-from app.worker.quantization.fp8 import REL_ERROR, SUBNORMAL_ERROR, Handoff
+from app.worker.quantization.fp8 import REL_ERROR, SUBNORMAL_ERROR, Fp8Rows
 from tests.support.model_factory import (
     FP8_FORMATS,
     build_tiny_model,
@@ -384,29 +384,22 @@ def test_default_model_with_fp8_weights_still_knows_the_capital_of_france() -> N
 def test_norms_and_activations_hand_their_output_over_quantized(
     models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With dynamic activation scales every linear but o_proj gets its input from the kernel before it
-    (RMSNorm, SiLU-and-mul) as FP8 rows (here, where no GEMV runs), or as rows with their amax (where the
-    GEMV runs, forced here): the logits of quantizing inside each linear, bit for bit."""
+    """With dynamic activation scales every linear but o_proj gets its input as FP8 rows from the kernel
+    before it (RMSNorm, SiLU-and-mul), with the logits of quantizing inside the linear, bit for bit."""
     model_dir = models["llama"]
     runner = runner_for(model_dir, quantization="fp8")
     names = {id(layer): name.split(".")[-1] for name, layer in quantized_layers(runner.model)}
-    inputs: dict[str, str] = {}
-    project, handoff = Linear.project, Linear.handoff
+    inputs: dict[str, bool] = {}
+    project = Linear.project
 
     def recording_project(self: Linear, x: Any, bias: Any) -> torch.Tensor:
-        inputs[names[id(self)]] = type(x).__name__
+        inputs[names[id(self)]] = isinstance(x, Fp8Rows)
         return project(self, x, bias)
 
     monkeypatch.setattr(Linear, "project", recording_project)
     handed_over = torch.cat(prefill_logits(runner.model, prompts(model_dir)))
-    assert inputs == {"qkv_proj": "Fp8Rows", "o_proj": "Tensor", "gate_up_proj": "Fp8Rows", "down_proj": "Fp8Rows"}
-    monkeypatch.setattr(Linear, "handoff", lambda self, rows: Handoff.PLAIN)
+    assert inputs == {"qkv_proj": True, "o_proj": False, "gate_up_proj": True, "down_proj": True}
+    monkeypatch.setattr(Linear, "takes_quantized_rows", lambda self: False)
     quantized_inside = torch.cat(prefill_logits(runner.model, prompts(model_dir)))
-    assert set(inputs.values()) == {"Tensor"}
+    assert not any(inputs.values())
     assert torch.equal(handed_over, quantized_inside)
-    amax_where_codes = lambda self, rows: Handoff.AMAX if handoff(self, rows) is Handoff.CODES else Handoff.PLAIN  # noqa: E731
-    monkeypatch.setattr(Linear, "handoff", amax_where_codes)
-    with_amax = torch.cat(prefill_logits(runner.model, prompts(model_dir)))
-    assert inputs == {"qkv_proj": "RowsWithAmax", "o_proj": "Tensor", "gate_up_proj": "RowsWithAmax",
-                      "down_proj": "RowsWithAmax"}  # fmt: skip
-    assert torch.equal(with_amax, quantized_inside)

@@ -22,9 +22,9 @@ from tokenspeed_kernels.gemv import gemv, measured_config
 from torch import nn
 
 from app.worker.parallel import SINGLE, TensorParallel
-from app.worker.quantization.fp8 import Fp8Input, Handoff
 
 if TYPE_CHECKING:
+    from app.worker.quantization.fp8 import Fp8Rows
     from app.worker.quantization.linear import Fp8LinearMethod
 
 # Attribute set on fused parameters: {shard_id: (first_row, num_rows)}.
@@ -89,15 +89,15 @@ class Linear(nn.Module):
             quant.create_weights(self, in_features, shard_rows or {None: (0, out_features)})
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
 
-    def forward(self, x: torch.Tensor | Fp8Input) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         return self.project(x, self.bias)
 
-    def handoff(self, rows: int) -> Handoff:
-        """The form in which the kernel that makes this layer's input (of `rows` rows) hands it over:
-        FP8 layers that quantize per token take it quantized, or with its amax (Fp8LinearMethod.handoff)."""
-        return Handoff.PLAIN if self.quant is None else self.quant.handoff(self, rows)
+    def takes_quantized_rows(self) -> bool:
+        """Whether this layer quantizes its input per token itself (FP8 weights, dynamic
+        activation scales): the kernel that makes the input may then hand it over quantized."""
+        return self.quant is not None and self.quant.takes_quantized_rows()
 
-    def project(self, x: torch.Tensor | Fp8Input, bias: torch.Tensor | None) -> torch.Tensor:
+    def project(self, x: torch.Tensor | Fp8Rows, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant is not None:
             return self.quant.apply(self, x, bias)
         if x.is_cuda and x.dim() == 2 and x.shape[0] <= GEMV_MAX_M:
@@ -127,7 +127,7 @@ class RowParallelLinear(Linear):
         if tp.size > 1:  # per-output-channel scales and the bias are whole on every rank
             mark_tp_slices(self.weight, {None: TPSlice(1, tp.rank * local, local, in_features)})
 
-    def forward(self, x: torch.Tensor | Fp8Input) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         return self.tp.all_reduce(self.project(x, self.bias if self.tp.leader else None))
 
 
@@ -158,7 +158,7 @@ class MergedLinear(Linear):
             if slices and name != "input_scale":  # weights, bias and per-channel scales follow the rows
                 mark_tp_slices(param, slices)
 
-    def forward_split(self, x: torch.Tensor | Fp8Input) -> tuple[torch.Tensor, ...]:
+    def forward_split(self, x: torch.Tensor | Fp8Rows) -> tuple[torch.Tensor, ...]:
         return self.forward(x).split(self.sizes, dim=-1)
 
 

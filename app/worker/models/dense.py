@@ -34,7 +34,7 @@ from app.worker.parallel import SINGLE, TensorParallel
 
 if TYPE_CHECKING:
     from app.worker.quantization import Fp8LinearMethod
-    from app.worker.quantization.fp8 import Fp8Input
+    from app.worker.quantization.fp8 import Fp8Rows
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ class DenseAttention(nn.Module):
             self.k_norm = RMSNorm(dims.head_dim, dims.eps, dtype)
         self.qk_norm = opts.qk_norm
 
-    def forward(self, hidden: torch.Tensor | Fp8Input, rope: Rope, attn: AttentionMetadata) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor | Fp8Rows, rope: Rope, attn: AttentionMetadata) -> torch.Tensor:
         d = self.dims
         q, k, v = self.qkv_proj.forward_split(hidden)
         q = q.view(-1, d.num_heads, d.head_dim)
@@ -130,10 +130,10 @@ class DenseMLP(nn.Module):
         self.act = SiluAndMul()
         self.down_proj = RowParallelLinear(dims.intermediate, dims.hidden, opts.mlp_bias, dtype, opts.quant, opts.tp)
 
-    def forward(self, x: torch.Tensor | Fp8Input) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        # FP8: SiLU's output comes in the form down_proj takes
-        return self.down_proj(self.act(gate_up, self.down_proj.handoff(gate_up.shape[0])))
+        # FP8: SiLU's output comes quantized
+        return self.down_proj(self.act(gate_up, self.down_proj.takes_quantized_rows()))
 
 
 class DenseDecoderLayer(nn.Module):
@@ -151,15 +151,14 @@ class DenseDecoderLayer(nn.Module):
         first layer, whose input is the embedding). Returns this layer's MLP output and the stream
         before it. The adds are transformers' (in the activation dtype), each fused into the norm
         that follows it."""
-        rows = hidden.shape[0]
-        handoff = self.self_attn.qkv_proj.handoff(rows)  # FP8: the norm's output in the form qkv_proj takes
+        quantize = self.self_attn.qkv_proj.takes_quantized_rows()  # FP8: the norm's output comes quantized
         if residual is None:
-            residual, normed = hidden, self.input_layernorm(hidden, handoff)
+            residual, normed = hidden, self.input_layernorm(hidden, quantize)
         else:
-            normed, residual = self.input_layernorm.add_forward(hidden, residual, handoff)
+            normed, residual = self.input_layernorm.add_forward(hidden, residual, quantize)
         attn_out = self.self_attn(normed, rope, attn)
-        handoff = self.mlp.gate_up_proj.handoff(rows)
-        normed, residual = self.post_attention_layernorm.add_forward(attn_out, residual, handoff)
+        quantize = self.mlp.gate_up_proj.takes_quantized_rows()
+        normed, residual = self.post_attention_layernorm.add_forward(attn_out, residual, quantize)
         return self.mlp(normed), residual
 
 

@@ -12,7 +12,6 @@ nothing is clipped.
 
 from __future__ import annotations
 
-from enum import Enum
 from typing import NamedTuple
 
 import torch
@@ -46,14 +45,6 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize(x, scale), scale
 
 
-class Handoff(Enum):
-    """The form in which a kernel hands its output rows to the linear layer that reads them."""
-
-    PLAIN = "plain"  # in the activation dtype
-    CODES = "codes"  # Fp8Rows: quantized per token by the kernel that made them
-    AMAX = "amax"  # RowsWithAmax: the rows and their amax; the FP8 GEMV quantizes them as it reads them
-
-
 class Fp8Rows(NamedTuple):
     """Activations already quantized per row (token) for an FP8 linear, by the kernel that produced them
     (RMSNorm, SiLU-and-mul): the codes and scales quantize_rows would give, and the activation dtype
@@ -66,37 +57,6 @@ class Fp8Rows(NamedTuple):
     @classmethod
     def of(cls, x: torch.Tensor) -> Fp8Rows:
         return cls(*quantize_rows(x), x.dtype)
-
-
-class RowsWithAmax(NamedTuple):
-    """Activations for an FP8 linear that quantizes them per token as it reads them (the decode-sized
-    GEMV, kernels/gemv.py): the rows and partial maxima of their magnitudes, made by the kernel that
-    wrote the rows (RMSNorm, SiLU-and-mul). The codes and scales are quantize_rows' of the rows."""
-
-    values: torch.Tensor  # [M, K] in the activation dtype
-    amax: torch.Tensor  # [M, P] float32: the largest |value| of each row is the largest of its P parts
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.values.dtype
-
-    @classmethod
-    def of(cls, x: torch.Tensor) -> RowsWithAmax:
-        rows = x.reshape(-1, x.shape[-1])
-        return cls(rows, rows.abs().amax(dim=-1, keepdim=True).float())
-
-
-# What an FP8 linear may take besides plain rows: its input handed over by the kernel that made it.
-Fp8Input = Fp8Rows | RowsWithAmax
-
-
-def hand_over(x: torch.Tensor, handoff: Handoff) -> torch.Tensor | Fp8Input:
-    """x in the form handoff names, by torch ops (where no fused kernel makes it)."""
-    if handoff is Handoff.CODES:
-        return Fp8Rows.of(x)
-    if handoff is Handoff.AMAX:
-        return RowsWithAmax.of(x)
-    return x
 
 
 def dequantize(

@@ -14,9 +14,6 @@ Two implementations of the same numbers:
   Decode-sized batches (<= GEMV_MAX_ROWS rows) are bound by reading the weights, and cuBLAS's FP8
   GEMM is slow there: they run kernels/gemv.py instead, which streams the codes once and multiplies
   them by the activations' codes on the FP8 tensor cores (the same W8A8 numbers as the larger batches).
-  There the kernels that make the activations hand them over with their amax (RowsWithAmax: the
-  quantizing kernels run one program a row, a few microseconds at one row) and the GEMV quantizes them
-  as it reads them, to the same codes.
 - EMULATED: anywhere else (CPU, older GPUs): the codes cast to the activation dtype (exact: every
   e4m3 value is a bf16/fp16/fp32 value), one matmul, the scales applied in float32. The activations
   go through the same FP8 rounding, so CPU tests see the numerics the GPU runs.
@@ -28,7 +25,7 @@ import torch
 from tokenspeed_kernels.fp8_quant import quantize_rows as fused_quantize_rows
 from tokenspeed_kernels.gemv import MAX_M, gemv
 
-from app.worker.quantization.fp8 import FP8_DTYPE, Fp8Input, Fp8Rows, RowsWithAmax, quantize, quantize_rows
+from app.worker.quantization.fp8 import FP8_DTYPE, Fp8Rows, quantize, quantize_rows
 
 SCALED_MM_ROWWISE = "scaled_mm_rowwise"  # SM90+
 SCALED_MM_TENSORWISE = "scaled_mm_tensorwise"  # SM89
@@ -58,25 +55,18 @@ def quantize_input(x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[t
 
 
 def fp8_linear(
-    x: torch.Tensor | Fp8Input,
+    x: torch.Tensor | Fp8Rows,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     input_scale: torch.Tensor | None,
     bias: torch.Tensor | None,
     backend: str,
 ) -> torch.Tensor:
-    """x [..., K] in the model dtype (or already quantized per token: Fp8Rows; or rows with their amax,
-    RowsWithAmax, which the GEMV quantizes as it reads them), weight [N, K] FP8, weight_scale [1, N]
-    float32 -> [..., N]."""
+    """x [..., K] in the model dtype (or already quantized per token: Fp8Rows), weight [N, K] FP8,
+    weight_scale [1, N] float32 -> [..., N]."""
     if weight.dtype != FP8_DTYPE:
         raise TypeError(f"fp8_linear needs {FP8_DTYPE} weights, got {weight.dtype}")
-    if isinstance(x, RowsWithAmax):
-        lead = x.values.shape[:-1]
-        if runs_gemv(backend, x.values.shape[0]):
-            y = gemv(x.values, weight, weight_scale, out_dtype=x.dtype, x_amax=x.amax)
-        else:  # the same codes, quantized apart
-            y = _product(*quantize_input(x.values, None), weight, weight_scale, x.dtype, backend)
-    elif isinstance(x, Fp8Rows):
+    if isinstance(x, Fp8Rows):
         lead, k = x.codes.shape[:-1], x.codes.shape[-1]
         y = _product(x.codes.reshape(-1, k), x.scales.reshape(-1, 1), weight, weight_scale, x.dtype, backend)
     else:
@@ -92,7 +82,7 @@ def _product(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weig
              dtype: torch.dtype, backend: str) -> torch.Tensor:  # fmt: skip
     """W8A8: codes [M, K] with scales [M, 1] (per token, or the static scale) times the weight, by the
     backend's GEMM, in dtype."""
-    if runs_gemv(backend, xq.shape[0]):
+    if _runs_gemv(backend, xq.shape[0]):
         return gemv(xq.contiguous(), weight, weight_scale, x_scale=x_scale, out_dtype=dtype)
     if backend == SCALED_MM_ROWWISE:
         return _scaled_mm_rowwise(xq, x_scale, weight, weight_scale, dtype)
@@ -103,7 +93,7 @@ def _product(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weig
     raise ValueError(f"unknown FP8 GEMM backend {backend!r}")
 
 
-def runs_gemv(backend: str, rows: int) -> bool:
+def _runs_gemv(backend: str, rows: int) -> bool:
     """Decode-sized batches on FP8 tensor cores run the GEMV (see the module docstring)."""
     return backend in (SCALED_MM_ROWWISE, SCALED_MM_TENSORWISE) and rows <= GEMV_MAX_ROWS
 

@@ -29,13 +29,12 @@ from app.worker.layers.linear import FROM_CHECKPOINT, WEIGHT_LOADER
 from app.worker.quantization.fp8 import (
     FP8_DTYPE,
     FP8_MAX,
-    Fp8Input,
-    Handoff,
+    Fp8Rows,
     block_scale_shape,
     quantize_rows,
     requantize_blocks_to_rows,
 )
-from app.worker.quantization.gemm import EMULATED, fp8_linear, gemm_backend, runs_gemv
+from app.worker.quantization.gemm import EMULATED, fp8_linear, gemm_backend
 from app.worker.quantization.scheme import Fp8Scheme
 
 Shard = str | int | None
@@ -198,18 +197,12 @@ class Fp8LinearMethod:
 
     # ------------------------------------------------------------------ forward
 
-    def handoff(self, layer: nn.Module, rows: int) -> Handoff:
-        """How the kernel that makes this layer's input of `rows` rows hands it over. With dynamic
-        (per-token) activation scales: with the rows' amax where the GEMV runs (it quantizes as it reads),
-        else quantized (Fp8Rows); either saves a launch and a pass over the activations. A static input
-        scale quantizes here, from the rows as they are."""
-        if self.scheme.static_activations:
-            return Handoff.PLAIN
-        return Handoff.AMAX if runs_gemv(layer.fp8_backend, rows) else Handoff.CODES
+    def takes_quantized_rows(self) -> bool:
+        """Whether apply() quantizes its input per token (dynamic scales): the kernel that makes the input
+        may then hand it over quantized (Fp8Rows), saving a launch and a pass over the activations."""
+        return not self.scheme.static_activations
 
-    def apply(
-        self, layer: nn.Module, x: torch.Tensor | Fp8Input, bias: torch.Tensor | None
-    ) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor | Fp8Rows, bias: torch.Tensor | None) -> torch.Tensor:
         input_scale = layer.input_scale if self.scheme.static_activations else None
         return fp8_linear(
             x, layer.weight, layer.weight_scale.view(1, -1), input_scale, bias, layer.fp8_backend

@@ -7,7 +7,9 @@ silu_and_mul_fp8 also quantizes the products for the FP8 down projection: per-ro
 float32 scales, bit for bit fp8_quant.quantize_rows(silu_and_mul(x)), in one launch. The scale needs
 the row's amax before any code is written, so one program takes a whole row: held in registers when it
 fits (fp8_quant.row_plan: up to MAX_ROW_IN_REGISTERS products, the 8B model's 14336 included), else
-two passes over it in pieces (products and amax, then the products again and their codes).
+two passes over it in pieces (products and amax, then the products again and their codes). A few rows
+(SPREAD_MAX_ROWS: decode at small batches) are spread over many programs instead, in two launches: the
+products with a partial amax a program, then their codes (the same bits).
 """
 
 from __future__ import annotations
@@ -18,9 +20,14 @@ import triton
 import triton.language as tl
 
 from .common import FP8_DTYPE, pdl_options, wait_for_predecessor
-from .fp8_quant import quantize_row_in_registers, row_plan, row_scale, store_codes
+from .fp8_quant import quantize_row_in_registers, quantize_rows_with_amax, row_plan, row_scale, store_codes
 
 BLOCK = 1024
+# Up to this many rows silu_and_mul_fp8 spreads each row over programs in two launches (the products
+# with a partial amax a program, then their codes, fp8_quant.quantize_rows_with_amax): one program a row
+# leaves all but a few SMs idle, and at one row of the 8B model's 14336 took 6.3 us on the H200.
+# Read at each launch.
+SPREAD_MAX_ROWS = 16
 
 
 @triton.jit
@@ -35,14 +42,18 @@ def _silu_mul(x_row, offs, mask, n_cols):
 
 @triton.jit
 def _silu_and_mul_kernel(
-    x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
-):
+    x_ptr, out_ptr, amax_ptr, stride_x, stride_o, n_cols,
+    AMAX_OUT: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
     wait_for_predecessor(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
     y = _silu_mul(x_ptr + row * stride_x, offs, mask, n_cols)
     tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    if AMAX_OUT:  # this program's part of the row's amax: amax [rows, programs a row]
+        part = tl.max(tl.where(mask, tl.abs(y.to(tl.float32)), 0.0), axis=0)
+        tl.store(amax_ptr + row * tl.num_programs(1) + tl.program_id(1), part)
 
 
 @triton.jit
@@ -86,15 +97,22 @@ def _gate_up_rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    x2 = _gate_up_rows(x)
+def _silu_and_mul_rows(x2: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
+    """The products of gate_up rows x2 [M, 2I] -> [M, I], ceil(I / BLOCK) programs a row; with amax
+    [M, programs a row] also each program's largest |product| there."""
     n = x2.shape[1] // 2
-    out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
+    out = torch.empty(x2.shape[0], n, dtype=x2.dtype, device=x2.device)
     if x2.shape[0]:
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, BLOCK))](
-            x2, out, x2.stride(0), out.stride(0), n, BLOCK=BLOCK, **pdl_options()
-        )
-    return out.view(*x.shape[:-1], n)
+            x2, out, out if amax is None else amax, x2.stride(0), out.stride(0), n,
+            AMAX_OUT=amax is not None, BLOCK=BLOCK, **pdl_options(),
+        )  # fmt: skip
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    out = _silu_and_mul_rows(_gate_up_rows(x))
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,6 +120,9 @@ def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     quantize_rows(silu_and_mul(x)) flattened to rows, in one launch."""
     x2 = _gate_up_rows(x)
     n = x2.shape[1] // 2
+    if 0 < x2.shape[0] <= SPREAD_MAX_ROWS and n > BLOCK:  # see SPREAD_MAX_ROWS
+        amax = torch.empty(x2.shape[0], triton.cdiv(n, BLOCK), dtype=torch.float32, device=x.device)
+        return quantize_rows_with_amax(_silu_and_mul_rows(x2, amax), amax, BLOCK)
     codes = torch.empty(x2.shape[0], n, dtype=FP8_DTYPE, device=x.device)
     scales = torch.empty(x2.shape[0], 1, dtype=torch.float32, device=x.device)
     if x2.shape[0]:

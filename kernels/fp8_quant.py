@@ -28,7 +28,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import FP8_DTYPE, INTERPRETING, check_last_dim_contiguous, check_rows, next_power_of_2
+from .common import (
+    FP8_DTYPE,
+    INTERPRETING,
+    check_last_dim_contiguous,
+    check_rows,
+    next_power_of_2,
+    pdl_options,
+    wait_for_predecessor,
+)
 
 FP8_MAX = 448.0  # the largest finite e4m3 value; the cast alone does not saturate on the GPU
 MIN_AMAX = 1e-12  # an all-zero row still gets a positive scale
@@ -134,6 +142,39 @@ def _quantize_rows_kernel(
         for start in range(0, K, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             store_codes(tl.load(x_row + offs, mask=offs < K, other=0.0), scale, codes_row + offs, offs < K)
+
+
+@triton.jit
+def _quantize_pieces_kernel(
+    x_ptr, amax_ptr, codes_ptr, scales_ptr, K, stride_x, stride_codes,
+    PARTS: tl.constexpr, PARTS_BLOCK: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    wait_for_predecessor(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    parts = tl.arange(0, PARTS_BLOCK)
+    amax = tl.max(tl.load(amax_ptr + row * PARTS + parts, mask=parts < PARTS, other=0.0), axis=0)
+    scale = row_scale(amax)
+    if tl.program_id(1) == 0:
+        tl.store(scales_ptr + row, scale)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < K
+    store_codes(tl.load(x_ptr + row * stride_x + offs, mask=mask), scale, codes_ptr + row * stride_codes + offs, mask)
+
+
+def quantize_rows_with_amax(x: torch.Tensor, amax: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] with partial maxima of its rows' magnitudes amax [M, P] (the row's amax the largest) ->
+    quantize_rows(x), over M x ceil(K / block) programs: where few rows leave one program a row on a few
+    SMs, the producer finds the amax across many programs and this kernel spreads the codes likewise."""
+    check_last_dim_contiguous("x", x)
+    codes = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
+    if x.shape[0]:
+        parts = amax.shape[1]
+        _quantize_pieces_kernel[(x.shape[0], triton.cdiv(x.shape[1], block))](
+            x, amax, codes, scales, x.shape[1], x.stride(0), codes.stride(0),
+            PARTS=parts, PARTS_BLOCK=next_power_of_2(parts), BLOCK=block, **pdl_options(),
+        )  # fmt: skip
+    return codes, scales
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,8 @@ and the share of the copy bandwidth (bytes read + written, measured in the same 
 - the per-token quantization alone (o_proj's input);
 - a greedy step's reduction over the logits: torch's argmax and bad-row max against kernels/greedy.py;
 - SiLU-and-mul's fused quantization and quantize_rows per row plan (fp8_quant.row_plan's two ways: the
-  row held in registers, or read twice in pieces).
+  row held in registers, or read twice in pieces), and SiLU's spread over programs in two launches
+  (activation.SPREAD_MAX_ROWS, its default at a few rows).
 Each figure is the median of 10 CUDA-graph replays of 10 launches (bench_gemv's time_ms). Correctness:
 every fused output and every launch setting is compared with the unfused composition (bit for bit)
 before it is timed; the unfused kernels are the references ("reference" in the table).
@@ -133,6 +134,11 @@ def norm_and_activation_cases(rows: int) -> list[tuple[str, Callable[[], object]
     def silu_fp8() -> tuple[torch.Tensor, torch.Tensor]:
         return activation.silu_and_mul_fp8(gate_up)
 
+    # SiLU's fused quantization one program a row (per row plan), or spread over programs in two launches
+    # (activation.SPREAD_MAX_ROWS), at any number of rows
+    one_program_a_row = with_settings(activation, {"SPREAD_MAX_ROWS": 0}, silu_fp8)
+    spread = with_settings(activation, {"SPREAD_MAX_ROWS": 1 << 30}, silu_fp8)
+
     def quantize_wide() -> tuple[torch.Tensor, torch.Tensor]:
         return fp8_quant.quantize_rows(wide)
 
@@ -145,9 +151,10 @@ def norm_and_activation_cases(rows: int) -> list[tuple[str, Callable[[], object]
         ("silu_and_mul", lambda: activation.silu_and_mul(gate_up), 6 * i, None),
         ("silu_and_mul, then quantize_rows",
          lambda: fp8_quant.quantize_rows(activation.silu_and_mul(gate_up)), 6 * i + 3 * i, None),
-        *[(f"silu_and_mul_fp8, {name}", with_settings(fp8_quant, plan, silu_fp8), 5 * i,
-           same_codes(with_settings(fp8_quant, plan, silu_fp8)(), unfused_silu))
+        *[(f"silu_and_mul_fp8, {name}", with_settings(fp8_quant, plan, one_program_a_row), 5 * i,
+           same_codes(with_settings(fp8_quant, plan, one_program_a_row)(), unfused_silu))
           for name, plan in ROW_PLANS.items()],
+        ("silu_and_mul_fp8, spread over programs", spread, 5 * i + 4 * i, same_codes(spread(), unfused_silu)),
         ("quantize_rows 4096", lambda: fp8_quant.quantize_rows(x), 3 * h, None),
         *[(f"quantize_rows 14336, {name}", with_settings(fp8_quant, plan, quantize_wide), 3 * i,
            same_codes(with_settings(fp8_quant, plan, quantize_wide)(), torch_quantize_rows(wide)))

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenspeed_kernels import fp8_quant
+from tokenspeed_kernels import activation, fp8_quant
 from tokenspeed_kernels.activation import silu_and_mul, silu_and_mul_fp8, silu_and_mul_reference
 from tokenspeed_kernels.fp8_quant import quantize_rows, row_plan
 from tokenspeed_kernels.rmsnorm import (
@@ -187,12 +187,18 @@ def gate_up(m: int, n: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.cat([gate, magnitudes(m, n, n)], dim=1).to(dtype)
 
 
+def one_program_a_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """silu_and_mul_fp8 takes its one-program-a-row path at any number of rows."""
+    monkeypatch.setattr(activation, "SPREAD_MAX_ROWS", 0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("n", "loop"), [(5, False), (300, False), (300, True), (2500, True)])
 def test_silu_and_mul_fp8_equals_quantize_rows_of_silu_and_mul(
     n: int, loop: bool, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     take_path(monkeypatch, n, loop)
+    one_program_a_row(monkeypatch)
     x = gate_up(5, n, dtype)
     got = silu_and_mul_fp8(x)
     assert_same_quantization(got, quantize_rows(silu_and_mul(x)))
@@ -200,11 +206,33 @@ def test_silu_and_mul_fp8_equals_quantize_rows_of_silu_and_mul(
     assert got[0][0].view(torch.uint8).bitwise_and(0x7F).eq(0).all()  # the all-zero row: ±0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("m", "n"), [(1, 2500), (5, 1025), (16, 3000)])
+def test_silu_and_mul_fp8_spread_over_programs_equals_quantize_rows_of_silu_and_mul(
+    m: int, n: int, dtype: torch.dtype
+) -> None:
+    """Up to SPREAD_MAX_ROWS rows wider than a program: the products with a partial amax a program, then
+    their codes (fp8_quant.quantize_rows_with_amax), in programs across the row: the same bits."""
+    assert m <= activation.SPREAD_MAX_ROWS and n > activation.BLOCK
+    x = gate_up(m, n, dtype)
+    got = silu_and_mul_fp8(x)
+    assert_same_quantization(got, quantize_rows(silu_and_mul(x)))
+    assert_close_to(got, silu_and_mul_reference(x))
+
+
+def test_quantize_rows_with_amax_equals_quantize_rows() -> None:
+    x = magnitudes(5, 700, 3).half()
+    parts = torch.stack([piece.float().abs().amax(dim=1) for piece in x.tensor_split(3, dim=1)], dim=1)
+    for block in (128, 256, 1024):
+        assert_same_quantization(fp8_quant.quantize_rows_with_amax(x, parts, block), quantize_rows(x))
+
+
 @pytest.mark.parametrize("loop", [False, True])
 def test_silu_and_mul_fp8_leading_dims_strided_rows_and_empty_batch(
     loop: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     take_path(monkeypatch, 300, loop)
+    one_program_a_row(monkeypatch)
     wide = gate_up(6, 400, torch.float16)
     x = wide[:, 100:700]  # gate_up rows of 2 x 300, 800 apart
     got = silu_and_mul_fp8(x.view(2, 3, 600))

@@ -137,9 +137,19 @@ def fused_fp8_cases(  # noqa: ANN001
         (f"rms_norm_fp8 {dtype} -> float8", lambda: rmsnorm.rms_norm_fp8(x, w, 1e-6)),
         (f"add_rms_norm_fp8 {dtype} -> float8", lambda: rmsnorm.add_rms_norm_fp8(x, x.clone(), w, 1e-6)),
         (f"silu_and_mul_fp8 {dtype} -> float8", lambda: activation.silu_and_mul_fp8(x)),
-        (f"silu_and_mul_fp8 {dtype} -> float8, rows of {wide}", lambda: activation.silu_and_mul_fp8(xw)),
+        (f"silu_and_mul_fp8 {dtype} -> float8, rows of {wide}", lambda: one_program_a_row(activation, xw)),
+        (f"silu_and_mul_fp8 {dtype} -> float8, spread over programs", lambda: activation.silu_and_mul_fp8(xw)),
         (f"quantize_rows {dtype} -> float8, rows of {wide}", lambda: fp8_quant.quantize_rows(xw[:, :wide])),
     ]
+
+
+def one_program_a_row(activation, x: torch.Tensor) -> object:  # noqa: ANN001
+    """silu_and_mul_fp8 one program a row, however few the rows (else spread over programs)."""
+    saved, activation.SPREAD_MAX_ROWS = activation.SPREAD_MAX_ROWS, 0
+    try:
+        return activation.silu_and_mul_fp8(x)
+    finally:
+        activation.SPREAD_MAX_ROWS = saved
 
 
 def gemv_cases(gemv) -> list[tuple[str, Callable[[], object]]]:  # noqa: ANN001

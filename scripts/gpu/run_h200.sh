@@ -47,8 +47,8 @@
 #   gemv                     decode-sized GEMVs (kernels/gemv.py) swept per 8B shape and row count (GEMV_ROWS),
 #                            GEMV_WEIGHTS of bf16, fp8 (W8A16), w8a8, against cuBLAS: GEMV_BUDGET (200) s + ~40 s
 #   elementwise              rotary + KV write per heads-a-program, RMSNorm and SiLU-and-mul with and without the
-#                            fused FP8 quantization, quantize_rows: time and share of the copy bandwidth at 512 and
-#                            8704 rows (bench_elementwise.py): ~40 s
+#                            fused FP8 quantization, quantize_rows: time and share of the copy bandwidth at 1, 512
+#                            and 8704 rows, or ELEMENTWISE_ROWS (bench_elementwise.py): ~40 s
 #   overlap                  a decode step's xqa attention and FP8 GEMMs (512 x 1500) one after the other against
 #                            two halves overlapped on two streams (bench_overlap.py, OVERLAP_SPLITS): ~60 s + JIT
 #   prefill_fp8              prefill attention over an FP8 cache: FA2 with bf16 queries against FA3 with FP8
@@ -63,6 +63,7 @@
 #   tests_fi_decode          the flashinfer backend's decode kernels (xqa included) against torch: ~30 s + JIT
 #   tests_fp8kv              GPU tests of the FP8 KV backends, flashinfer sampling and FP8 GEMMs: ~150 s
 #   tests_fp8w               GPU tests of the FP8 weights' GEMMs, GEMV and fused quantization: ~190 s
+#   pytest                   the GPU tests PYTEST_ARGS names (pytest's arguments)
 #   tests_tp latency_tp      two GPUs (nvidia-h200-x2): TP=2 GPU tests; batch-1 decode at TP=1 and TP=2
 #   serving_dp               two GPUs: the appliance at 1 replica, then --data-parallel-size 2: ~300 s
 # A stage that cannot finish before DEADLINE is skipped rather than cut (offline_1000*), so give each
@@ -76,7 +77,7 @@ export PYTHONUNBUFFERED=1
 MODEL=configs/models/llama-3.1-8b
 STAGES=${*:-roofline latency_triton tests latency_flashinfer latency_b32 offline hf tests_8b}
 KNOWN=" roofline latency_triton tests latency_flashinfer latency_b4 latency_pdl pieces latency_b32 offline offline_no_overlap latency_fp8 kv_pool \
-latency_fp8_triton offline_1000 offline_1000_g512 offline_1000_fp8 offline_1000_fp8kv offline_b1 profile_prefill profile_b1_fp8 profile_b4 pyspy_b4 pyspy_prefill hf tests_8b idle serving serving_eager_prefill tests_tp latency_tp serving_dp tests_fp8kv tests_fp8w tests_decode tests_fi_decode tests_gemv gemv attn attn_sweep elementwise scaled_mm overlap prefill_fp8 xqa_layout "
+latency_fp8_triton offline_1000 offline_1000_g512 offline_1000_fp8 offline_1000_fp8kv offline_b1 profile_prefill profile_b1_fp8 profile_b4 pyspy_b4 pyspy_prefill hf tests_8b idle serving serving_eager_prefill tests_tp latency_tp serving_dp tests_fp8kv tests_fp8w tests_decode tests_fi_decode tests_gemv gemv attn attn_sweep elementwise scaled_mm overlap prefill_fp8 xqa_layout pytest "
 SERVING_MORE="stagger:4:0.5:32:128 b1:1:0:3:256"  # the serving stages' benchmarks after the first (serve_and_bench.sh)
 for s in $STAGES; do  # every name checked before anything runs
   [[ $KNOWN == *" $s "* ]] || { echo "unknown stage $s; known:$KNOWN"; exit 2; }
@@ -246,7 +247,10 @@ for s in $STAGES; do
     xqa_layout) wait $WARM; stage xqa_layout 200 python3 scripts/gpu/bench_xqa_layout.py \
       --block-sizes "${XQA_BLOCKS:-16,32,64}" --json "$RUN/xqa_layout.json" ;;
     prefill_fp8) wait $WARM; stage prefill_fp8 400 python3 scripts/gpu/bench_prefill_fp8.py --json "$RUN/prefill_fp8.json" ;;
-    elementwise) stage elementwise 150 python3 scripts/gpu/bench_elementwise.py --json "$RUN/elementwise.json" ;;
+    elementwise) stage elementwise 150 python3 scripts/gpu/bench_elementwise.py --json "$RUN/elementwise.json" \
+      --rows "${ELEMENTWISE_ROWS:-1,512,8704}" ;;
+    # shellcheck disable=SC2086
+    pytest) stage pytest 240 python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:?PYTEST_ARGS names the tests} ;;
     tests_fp8w) stage tests_fp8w 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_gpu.py \
       tests/gpu/test_gemv_gpu.py ;;
     tests_gemv) stage tests_gemv 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gemv_gpu.py \

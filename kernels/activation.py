@@ -25,9 +25,9 @@ from .fp8_quant import quantize_row_in_registers, quantize_rows_with_amax, row_p
 BLOCK = 1024
 # Up to this many rows silu_and_mul_fp8 spreads each row over programs in two launches (the products
 # with a partial amax a program, then their codes, fp8_quant.quantize_rows_with_amax): one program a row
-# leaves all but a few SMs idle, and at one row of the 8B model's 14336 took 6.3 us on the H200.
-# Read at each launch.
-SPREAD_MAX_ROWS = 16
+# leaves most SMs idle. On the H200 at the 8B model's 14336 (scripts/gpu/bench_elementwise.py): 3.5 us
+# against 6.4 at 1 row, 3.9 against 6.4 at 16, 5.1 against 6.5 at 64. Read at each launch.
+SPREAD_MAX_ROWS = 64
 
 
 @triton.jit

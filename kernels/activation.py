@@ -4,7 +4,8 @@ Rounded as torch rounds F.silu(gate) * up in the activation dtype: silu in float
 product in that dtype.
 
 silu_and_mul_fp8 also quantizes the products for the FP8 down projection: per-row e4m3 codes and
-float32 scales, bit for bit fp8_quant.quantize_rows(silu_and_mul(x)), in one launch. The scale needs
+float32 scales, bit for bit fp8_quant.quantize_rows(silu_and_mul(x)), without the round trip of the
+products through memory. The scale needs
 the row's amax before any code is written, so one program takes a whole row: held in registers when it
 fits (fp8_quant.row_plan: up to MAX_ROW_IN_REGISTERS products, the 8B model's 14336 included), else
 two passes over it in pieces (products and amax, then the products again and their codes). A few rows
@@ -117,7 +118,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., 2I] -> (FP8 codes [M, I], float32 scales [M, 1]), M the number of rows of x:
-    quantize_rows(silu_and_mul(x)) flattened to rows, in one launch."""
+    quantize_rows(silu_and_mul(x)) flattened to rows: one launch, or two for a few wide rows."""
     x2 = _gate_up_rows(x)
     n = x2.shape[1] // 2
     if 0 < x2.shape[0] <= SPREAD_MAX_ROWS and n > BLOCK:  # see SPREAD_MAX_ROWS

@@ -10,6 +10,9 @@ The cast to e4m3 rounds to nearest, ties to even, on the GPU, as torch's does. U
 interpreter (the CPU tests), whose cast rounds half up, the kernels round to the e4m3 grid themselves
 first (_round_to_e4m3), so both give the codes torch gives.
 
+quantize_rows_with_amax(x, amax) takes the rows' amax from partial maxima that the kernel which made x
+found (activation.silu_and_mul_fp8 at a few rows), and spreads each row's codes over many programs.
+
 A row of up to MAX_ROW_IN_REGISTERS elements is read once and held in registers (amax and codes from
 the same values, warps chosen by its width: row_plan); a wider one is read twice in LOOP_BLOCK pieces
 (amax, then codes). The kernels that produce activations quantize their own rows with the same jitted
@@ -166,6 +169,8 @@ def quantize_rows_with_amax(x: torch.Tensor, amax: torch.Tensor, block: int) -> 
     quantize_rows(x), over M x ceil(K / block) programs: where few rows leave one program a row on a few
     SMs, the producer finds the amax across many programs and this kernel spreads the codes likewise."""
     check_last_dim_contiguous("x", x)
+    if amax.dim() != 2 or amax.shape[0] != x.shape[0] or amax.dtype != torch.float32 or not amax.is_contiguous():
+        raise ValueError(f"amax must be contiguous float32 [M={x.shape[0]}, parts], got {tuple(amax.shape)} {amax.dtype}")
     codes = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
     scales = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
     if x.shape[0]:

@@ -69,7 +69,8 @@ def test_fused_activation_quantization_gives_the_torch_codes(m: int, k: int, dty
 @pytest.mark.parametrize(("m", "k"), [(1, 14336), (16, 4096), (17, 4096), (512, 4096), (8192, 4096), (300, 14336)])
 def test_norm_and_activation_quantize_their_output_as_quantize_rows_does(m: int, k: int) -> None:
     """The fused FP8 outputs of RMSNorm (+ residual) and SiLU-and-mul in bf16, bit for bit the unfused
-    kernel followed by the per-token quantization (SiLU spread over programs up to 16 rows)."""
+    kernel followed by the per-token quantization (SiLU's spread over programs at 1, 16 and 17 rows:
+    activation.SPREAD_MAX_ROWS)."""
     from tokenspeed_kernels import activation, rmsnorm
 
     gen = torch.Generator(device=CUDA).manual_seed(m + k)

@@ -225,6 +225,8 @@ def test_quantize_rows_with_amax_equals_quantize_rows() -> None:
     parts = torch.stack([piece.float().abs().amax(dim=1) for piece in x.tensor_split(3, dim=1)], dim=1)
     for block in (128, 256, 1024):
         assert_same_quantization(fp8_quant.quantize_rows_with_amax(x, parts, block), quantize_rows(x))
+    with pytest.raises(ValueError, match="amax must be contiguous float32"):
+        fp8_quant.quantize_rows_with_amax(x, parts[:4], 256)
 
 
 @pytest.mark.parametrize("loop", [False, True])

@@ -6,7 +6,7 @@ bench_gemv.py times each GEMV alone, without PDL. In the step every GEMV follows
 RMSNorm before qkv and gate_up, quantize_rows before o, SiLU-and-mul before down) and, under PDL, loads
 its first weight tile while that kernel runs, so a configuration's ramp and tail weigh differently.
 Here: 8 (producer, GEMV) pairs over 8 weights (rotated past the L2) per graph, each of bench_gemv's W8A8
-tiles at splits 1, 2 and 4; the median of 30 replays, in us a pair. Prints, per layer, the table's
+tiles at splits 1, 2 and 4; the median of 10 replays (bench_gemv's time_ms), in us a pair. Prints, per layer, the table's
 configuration (kernels/gemv.py's _MEASURED) and the fastest ones.
 
   python scripts/gpu/bench_gemv_chain.py [--json OUT]
@@ -27,8 +27,7 @@ from tokenspeed_kernels import activation, fp8_quant, rmsnorm  # noqa: E402
 from tokenspeed_kernels.common import set_pdl  # noqa: E402
 from tokenspeed_kernels.gemv import GemvConfig, gemv, pick_config  # noqa: E402
 
-from scripts.bench_latency import median_cuda_ms  # noqa: E402
-from scripts.gpu.bench_gemv import SHAPES, W8A8_TILES  # noqa: E402
+from scripts.gpu.bench_gemv import SHAPES, W8A8_TILES, time_ms  # noqa: E402
 
 DEV = torch.device("cuda")
 PAIRS = 8
@@ -53,22 +52,15 @@ def producer(name: str, k: int, gen: torch.Generator) -> Callable[[], tuple[torc
 
 
 def pair_us(make_input: Callable, weights: list, cfg: GemvConfig) -> float:
-    def pairs() -> None:
-        for w, scale in weights:
-            codes, scales = make_input()
-            gemv(codes, w, scale, cfg, scales, torch.bfloat16)
+    def pair(i: int) -> None:
+        codes, scales = make_input()
+        gemv(codes, weights[i][0], weights[i][1], cfg, scales, torch.bfloat16)
 
     set_pdl(True)
     try:
-        pairs()  # compile outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            pairs()
+        return time_ms(pair, len(weights)) * 1e3
     finally:
         set_pdl(False)
-    graph.replay()
-    return median_cuda_ms(graph.replay, 30) * 1e3 / PAIRS
 
 
 def main() -> None:

@@ -131,6 +131,10 @@ latency() {  # latency NAME BACKEND BATCH [extra flags]
     --attention-backend "$backend" --batch-size "$batch" --input-len 512 --output-len 128 \
     --json "$RUN/$name.json" "$@"
 }
+latency_bf16_and_fp8() {  # latency_bf16_and_fp8 BACKEND: batch 1, bf16 weights then FP8 (quantized at load)
+  latency "latency_$1_b1_bf16w" "$1" 1
+  latency "latency_$1_b1_fp8w" "$1" 1 --quantization fp8
+}
 fits() {  # fits NAME SECONDS: true if SECONDS are left before DEADLINE, else the stage is marked skipped
   # FITS_PERCENT scales the estimate (e.g. 60 when the JIT cache is warm and the device time is short)
   local left=$((DEADLINE - SECONDS)) need=$(($2 * ${FITS_PERCENT:-100} / 100))
@@ -166,7 +170,7 @@ for s in $STAGES; do
     latency_triton) latency latency_triton_b1 triton 1 ;;
     # Batch 1 on the triton backend (the flashinfer backend's decode kernel for a 16-bit cache, and no
     # wait for flashinfer's JIT): bf16 weights, then FP8.
-    latency_fp8_triton) latency latency_triton_b1_bf16w triton 1; latency latency_triton_b1_fp8w triton 1 --quantization fp8 ;;
+    latency_fp8_triton) latency_bf16_and_fp8 triton ;;
     tests) stage tests_tiny 240 python3 -m pytest -q -p no:cacheprovider tests/gpu -k "not 8b and not flashinfer" ;;
     latency_flashinfer)
       wait $WARM
@@ -209,10 +213,7 @@ for s in $STAGES; do
     offline) wait $WARM; run_offline offline 150 --num-requests 128 --input-len 512 --output-len 128 --max-num-seqs 128 ;;
     offline_no_overlap) wait $WARM; run_offline offline_no_overlap 150 --num-requests 128 --input-len 512 --output-len 128 \
       --max-num-seqs 128 --no-overlap ;;
-    latency_fp8)
-      wait $WARM
-      latency latency_flashinfer_b1_bf16w flashinfer 1
-      latency latency_flashinfer_b1_fp8w flashinfer 1 --quantization fp8 ;;
+    latency_fp8) wait $WARM; latency_bf16_and_fp8 flashinfer ;;
     kv_pool) wait $WARM; run_kv_pool kv_pool_bf16 90; run_kv_pool kv_pool_fp8kv 240 --kv-cache-dtype fp8_e4m3 ;;
     # The 1000-request stages do not wait for the background warm-up: their own start-up builds what
     # they need (flashinfer locks its JIT modules, so the two share one compile).

@@ -28,6 +28,8 @@ RATIOS = [
     ("batch-1 decode tok/s, FP8 / bf16 weights (flashinfer, graph replay)",
      "latency_flashinfer_b1_fp8w", "latency_flashinfer_b1_bf16w", "graph_tokens_per_s"),
     ("weights bytes, FP8 / bf16", "latency_flashinfer_b1_fp8w", "latency_flashinfer_b1_bf16w", "weights_gb"),
+    ("batch-1 decode tok/s, FP8 / bf16 weights (triton, graph replay)",
+     "latency_triton_b1_fp8w", "latency_triton_b1_bf16w", "graph_tokens_per_s"),
     ("KV pool tokens, FP8 / bf16 KV", "kv_pool_fp8kv", "kv_pool_bf16", "kv_pool_tokens"),
     ("KV pool GiB, FP8 / bf16 KV", "kv_pool_fp8kv", "kv_pool_bf16", "kv_pool_gib"),
     ("KV bytes per token, FP8 / bf16 KV", "kv_pool_fp8kv", "kv_pool_bf16", "kv_bytes_per_token"),

@@ -46,6 +46,8 @@
 #                            ATTN_CASES (BATCHxCONTEXT,...), both caches: ~90 s
 #   gemv                     decode-sized GEMVs (kernels/gemv.py) swept per 8B shape and row count (GEMV_ROWS),
 #                            GEMV_WEIGHTS of bf16, fp8 (W8A16), w8a8, against cuBLAS: GEMV_BUDGET (200) s + ~40 s
+#   gemv_chain               the W8A8 GEMV at one row after its producer kernel under PDL in a graph, with and
+#                            without L2 prefetches of its weights (bench_gemv_chain.py): ~200 s
 #   elementwise              rotary + KV write per heads-a-program, RMSNorm and SiLU-and-mul with and without the
 #                            fused FP8 quantization, quantize_rows: time and share of the copy bandwidth at 1, 512
 #                            and 8704 rows, or ELEMENTWISE_ROWS (bench_elementwise.py): ~40 s
@@ -77,7 +79,7 @@ export PYTHONUNBUFFERED=1
 MODEL=configs/models/llama-3.1-8b
 STAGES=${*:-roofline latency_triton tests latency_flashinfer latency_b32 offline hf tests_8b}
 KNOWN=" roofline latency_triton tests latency_flashinfer latency_b4 latency_pdl pieces latency_b32 offline offline_no_overlap latency_fp8 kv_pool \
-latency_fp8_triton offline_1000 offline_1000_g512 offline_1000_fp8 offline_1000_fp8kv offline_b1 profile_prefill profile_b1_fp8 profile_b4 pyspy_b4 pyspy_prefill hf tests_8b idle serving serving_eager_prefill tests_tp latency_tp serving_dp tests_fp8kv tests_fp8w tests_decode tests_fi_decode tests_gemv gemv attn attn_sweep elementwise scaled_mm overlap prefill_fp8 xqa_layout pytest "
+latency_fp8_triton offline_1000 offline_1000_g512 offline_1000_fp8 offline_1000_fp8kv offline_b1 profile_prefill profile_b1_fp8 profile_b4 pyspy_b4 pyspy_prefill hf tests_8b idle serving serving_eager_prefill tests_tp latency_tp serving_dp tests_fp8kv tests_fp8w tests_decode tests_fi_decode tests_gemv gemv gemv_chain attn attn_sweep elementwise scaled_mm overlap prefill_fp8 xqa_layout pytest "
 SERVING_MORE="stagger:4:0.5:32:128 b1:1:0:3:256"  # the serving stages' benchmarks after the first (serve_and_bench.sh)
 for s in $STAGES; do  # every name checked before anything runs
   [[ $KNOWN == *" $s "* ]] || { echo "unknown stage $s; known:$KNOWN"; exit 2; }
@@ -243,6 +245,7 @@ for s in $STAGES; do
     gemv) stage gemv $((${GEMV_BUDGET:-200} + 60)) python3 scripts/gpu/bench_gemv.py --budget-s "${GEMV_BUDGET:-200}" \
       --weights "${GEMV_WEIGHTS:-bf16,fp8}" --rows "${GEMV_ROWS:-1,4,8,16}" \
       --json "$RUN/gemv.json" ;;
+    gemv_chain) stage gemv_chain 300 python3 scripts/gpu/bench_gemv_chain.py --json "$RUN/gemv_chain.json" ;;
     scaled_mm) stage scaled_mm 120 python3 scripts/gpu/bench_scaled_mm.py --json "$RUN/scaled_mm.json" ;;
     overlap) wait $WARM; stage overlap 200 python3 scripts/gpu/bench_overlap.py --splits "${OVERLAP_SPLITS:-256}" \
       --json "$RUN/overlap.json" ;;

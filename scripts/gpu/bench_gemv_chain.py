@@ -20,15 +20,15 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+
 import torch  # noqa: E402
 from tokenspeed_kernels import activation, fp8_quant, rmsnorm  # noqa: E402
 from tokenspeed_kernels.common import set_pdl  # noqa: E402
-from dataclasses import replace  # noqa: E402
-
 from tokenspeed_kernels.gemv import GemvConfig, gemv, pick_config  # noqa: E402
 
 from scripts.gpu.bench_gemv import SHAPES, W8A8_TILES, time_ms  # noqa: E402

@@ -96,22 +96,6 @@ def pdl_options() -> dict[str, bool]:
 
 
 @triton.jit
-def prefetch_to_l2(addresses, nbytes):
-    """Ask the L2 to fetch nbytes from each address (cp.async.bulk.prefetch, sm_90 and newer; addresses and
-    sizes multiples of 16): fire and forget, no register holds the bytes and nothing waits for them. Under
-    PDL a kernel issues it for what no kernel writes (its weights) before waiting for its predecessor, so
-    the HBM streams them while that one runs."""
-    tl.inline_asm_elementwise(
-        "cp.async.bulk.prefetch.L2.global [$1], $2;\n mov.u32 $0, 0;",
-        "=r,l,r",
-        [addresses, nbytes],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@triton.jit
 def wait_for_predecessor(USE_PDL: tl.constexpr):
     """Under PDL, wait until the previous kernel's memory is visible, then let the next kernel's programs
     be scheduled. A kernel's first statement, or after loads of what no kernel writes (the GEMV's

@@ -38,7 +38,6 @@ from .common import (
     check_last_dim_contiguous,
     dot_precision,
     pdl_options,
-    prefetch_to_l2,
     wait_for_predecessor,
 )
 
@@ -64,10 +63,6 @@ class GemvConfig:
     # tensor cores multiply codes by codes with no conversion in registers. (x quantized by each program
     # itself measured several times slower: every program must read all of x for the scales first.)
     fp8_operands: bool = False
-    # Under PDL, before waiting for its predecessor, each program asks the L2 for up to this many K elements
-    # of each of its weight rows (common.prefetch_to_l2; 0: none), so the HBM is busy while the kernel before
-    # runs instead of only once this one's loop starts.
-    prefetch_k: int = 0
 
     def block_m(self, m: int) -> int:
         return 16 if self.use_dot else triton.next_power_of_2(m)
@@ -128,7 +123,7 @@ def _gemv_kernel(
     FP8_OPERANDS: tl.constexpr,
     X_PRESCALE: tl.constexpr, OUT_FACTOR: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PREFETCH_K: tl.constexpr, USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -149,10 +144,6 @@ def _gemv_kernel(
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     k_loop = k_start
-    if USE_PDL and PREFETCH_K > 0:  # each row's slice from k_start (rows past N: the last row's again)
-        row_starts = w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_wn + k_start
-        row_bytes = tl.minimum(k_end - k_start, PREFETCH_K) * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
-        prefetch_to_l2(row_starts, tl.full((BLOCK_N,), 0, tl.int32) + row_bytes)
     if USE_PDL:
         # The weights do not depend on the kernel before this one: their first tile streams in while
         # that kernel finishes. x does, so it waits. (Without PDL the loop's own pipelining is faster.)
@@ -299,7 +290,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
         X_PRESCALE=prescale, OUT_FACTOR=out_factor, PARTIAL=partial, EVEN_K=k % cfg.block_k == 0,
         PRECISION=dot_precision(torch.float16 if cfg.fp16_operands or cfg.fp8_operands else x.dtype),
         BLOCK_M=cfg.block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        PREFETCH_K=cfg.prefetch_k if _prefetchable(weight, k_per_split) else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(),
     )  # fmt: skip
     if partial:
@@ -309,12 +299,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
             **pdl_options(),
         )
     return y
-
-
-def _prefetchable(weight: torch.Tensor, k_per_split: int) -> bool:
-    """Bulk prefetches need 16-byte aligned addresses and sizes: the rows' starts and every split's."""
-    size = weight.element_size()
-    return weight.data_ptr() % 16 == 0 and all((v * size) % 16 == 0 for v in (weight.stride(0), weight.shape[1], k_per_split))
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, m: int, k: int, n: int,

@@ -4,12 +4,10 @@ kernel that makes their input, under programmatic dependent launch, in a CUDA gr
 
 bench_gemv.py times each GEMV alone, without PDL. In the step every GEMV follows a small kernel (the
 RMSNorm before qkv and gate_up, quantize_rows before o, SiLU-and-mul before down) and, under PDL, loads
-its first weight tile while that kernel runs, so a configuration's ramp and tail weigh differently; with
-GemvConfig.prefetch_k it also asks the L2 for its weight rows then. Here: 8 (producer, GEMV) pairs over 8
-weights (rotated past the L2) per graph: the table's configuration (kernels/gemv.py's _MEASURED) without and
-with prefetches of 1,024, 4,096 and all K elements a row, and each of bench_gemv's W8A8 tiles at splits 1, 2
-and 4 prefetching all; the median of 10 replays (bench_gemv's time_ms), in us a pair. Prints, per layer, the
-table's configuration and the fastest ones.
+its first weight tile while that kernel runs, so a configuration's ramp and tail weigh differently.
+Here: 8 (producer, GEMV) pairs over 8 weights (rotated past the L2) per graph, each of bench_gemv's W8A8
+tiles at splits 1, 2 and 4; the median of 10 replays (bench_gemv's time_ms), in us a pair. Prints, per layer, the table's
+configuration (kernels/gemv.py's _MEASURED) and the fastest ones.
 
   python scripts/gpu/bench_gemv_chain.py [--json OUT]
 """
@@ -20,11 +18,9 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 
 import torch  # noqa: E402
 from tokenspeed_kernels import activation, fp8_quant, rmsnorm  # noqa: E402
@@ -35,15 +31,11 @@ from scripts.gpu.bench_gemv import SHAPES, W8A8_TILES, time_ms  # noqa: E402
 
 DEV = torch.device("cuda")
 PAIRS = 8
-ALL_K = 1 << 24  # prefetch_k: every K element of a row
 
 
-def configs(table: GemvConfig) -> list[GemvConfig]:
-    """The table's configuration, with prefetches, and every tile and split prefetching all."""
-    with_prefetch = [replace(table, prefetch_k=p) for p in (1024, 4096, ALL_K)]
-    return [table, *with_prefetch] + [
-        GemvConfig(True, bn, bk, split, warps, stages, bn >= 64, fp8_operands=True, prefetch_k=ALL_K)
-        for split in (1, 2, 4) for bn, bk, stages, warps in W8A8_TILES]  # fmt: skip
+def configs() -> list[GemvConfig]:
+    return [GemvConfig(True, bn, bk, split, warps, stages, bn >= 64, fp8_operands=True)
+            for split in (1, 2, 4) for bn, bk, stages, warps in W8A8_TILES]  # fmt: skip
 
 
 def producer(name: str, k: int, gen: torch.Generator) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
@@ -83,22 +75,16 @@ def main() -> None:
         make_input = producer(name, k, gen)
         table = pick_config(1, n, k, torch.float8_e4m3fn, fp8_x=True)
         times = {}
-        for cfg in dict.fromkeys(configs(table)):
+        for cfg in dict.fromkeys([table, *configs()]):
             try:
                 times[str(cfg)] = pair_us(make_input, weights, cfg)
             except Exception as exc:  # noqa: BLE001 - a configuration the compiler refuses is left out
                 print(f"{name} {cfg}: {type(exc).__name__}", file=sys.stderr)
-        prefetching = {p: times.get(str(replace(table, prefetch_k=p))) for p in (1024, 4096, ALL_K)}
-        report[name] = {"table": str(table), "table_us": times[str(table)], "table_prefetch_us": prefetching,
-                        "us": times}
+        report[name] = {"table": str(table), "table_us": times[str(table)], "us": times}
         del weights
         torch.cuda.empty_cache()
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
-    print("| layer | table config, us a pair | prefetch 1024 | 4096 | all |\n|---|---|---|---|---|")
-    for name, r in report.items():
-        cells = " | ".join("-" if us is None else f"{us:.2f}" for us in r["table_prefetch_us"].values())
-        print(f"| {name} | {r['table_us']:.2f} | {cells} |")
     print("| layer | table config, us a pair | fastest | us | x table |\n|---|---|---|---|---|")
     for name, r in report.items():
         for cfg, us in sorted(r["us"].items(), key=lambda item: item[1])[:3]:

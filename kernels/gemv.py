@@ -13,8 +13,10 @@ not for FLOPs. Two loop bodies:
   W8A16's codes go to the tensor cores as float16, x with them (bfloat16 x scaled by 2^-8 into float16's
   range, exactly, and the product back), because a cast to bfloat16 halves their stream rate there.
 Split-K: with SPLIT_K > 1 the grid is (N blocks, SPLIT_K) and each program writes float32 partial sums to a
-[SPLIT_K, M, N] buffer that a second kernel adds in split order (deterministic, unlike atomics), scales
-and casts. It pays where N / BLOCK_N alone gives too few programs to fill the GPU.
+[SPLIT_K, M, N] buffer; the last split of each N block to finish (an atomic count) adds them in split order
+(deterministic, unlike atomic adds of the sums), scales and casts, inside the same kernel (or, with
+last_split_sums off, a second kernel does). It pays where N / BLOCK_N alone gives too few programs to fill
+the GPU.
 
 FP8 codes are exact in every float type, so the products are those of the dequantized weight (and, W8A8,
 x); the per-row scales of x multiply the float32 sums.
@@ -63,6 +65,9 @@ class GemvConfig:
     # tensor cores multiply codes by codes with no conversion in registers. (x quantized by each program
     # itself measured several times slower: every program must read all of x for the scales first.)
     fp8_operands: bool = False
+    # Split-K's sums: added by the last split to finish each N block, inside the GEMV (True), or by a second
+    # kernel (False).
+    last_split_sums: bool = True
 
     def block_m(self, m: int) -> int:
         return 16 if self.use_dot else triton.next_power_of_2(m)
@@ -116,14 +121,14 @@ def _accumulate(acc, w, x, USE_DOT: tl.constexpr, W_AS_A: tl.constexpr, FP16_OPE
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, xs_ptr, w_ptr, scale_ptr, out_ptr,
-    M, N, K, K_PER_SPLIT,
-    stride_xm, stride_wn, stride_om, stride_os,
+    x_ptr, xs_ptr, w_ptr, scale_ptr, out_ptr, y_ptr, arrivals_ptr,
+    M, N, K, K_PER_SPLIT, SPLITS,
+    stride_xm, stride_wn, stride_om, stride_os, stride_ym,
     HAS_SCALE: tl.constexpr, USE_DOT: tl.constexpr, W_AS_A: tl.constexpr, FP16_OPERANDS: tl.constexpr,
     FP8_OPERANDS: tl.constexpr,
     X_PRESCALE: tl.constexpr, OUT_FACTOR: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    LAST_SPLIT_SUMS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -166,11 +171,33 @@ def _gemv_kernel(
         acc = acc * tl.load(xs_ptr + rm, mask=m_ok, other=0.0)[:, None]
     out_mask = m_ok[:, None] & n_ok[None, :]
     if PARTIAL:
-        tl.store(out_ptr + pid_k * stride_os + rm[:, None] * stride_om + rn[None, :], acc, mask=out_mask)
+        parts = out_ptr + rm[:, None] * stride_om + rn[None, :]
+        tl.store(parts + pid_k * stride_os, acc, mask=out_mask)
+        if LAST_SPLIT_SUMS:
+            _sum_if_last_split(parts, scale_ptr, y_ptr + rm[:, None] * stride_ym + rn[None, :], arrivals_ptr + pid_n,
+                               rn, n_ok, out_mask, SPLITS, stride_os, HAS_SCALE, BLOCK_M, BLOCK_N)  # fmt: skip
     else:
         if HAS_SCALE:
             acc = acc * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
         tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _sum_if_last_split(parts, scale_ptr, y, arrivals, rn, n_ok, out_mask, SPLITS, stride_os,
+                       HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """Count this split in for its N block; the last to arrive adds the block's partial sums in split order
+    (the bits of _sum_splits_kernel), scales, stores y and zeroes the count for the next GEMV. The barrier
+    puts every thread's partial before the count's release; the acquire puts the others' before the reads,
+    which go to the L2 (.cg), where the other programs' stores are."""
+    tl.debug_barrier()
+    if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for s in range(0, SPLITS):
+            acc += tl.load(parts + s * stride_os, mask=out_mask, other=0.0, cache_modifier=".cg")
+        if HAS_SCALE:
+            acc = acc * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
+        tl.store(y, acc.to(y.dtype.element_ty), mask=out_mask)
+        tl.store(arrivals, 0)
 
 
 @triton.jit
@@ -282,9 +309,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     splits = triton.cdiv(k, k_per_split)
     partial = splits > 1
     out = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if partial else y
-    _gemv_kernel[(triton.cdiv(n, cfg.block_n), splits)](
-        x, xs_arg, weight, scale_arg, out, m, n, k, k_per_split, x.stride(0), weight.stride(0),
-        out.stride(-2), out.stride(0) if partial else 0,
+    n_blocks = triton.cdiv(n, cfg.block_n)
+    last_split_sums = partial and cfg.last_split_sums
+    arrivals = _arrival_counts(x.device, n_blocks) if last_split_sums else y  # unread without
+    _gemv_kernel[(n_blocks, splits)](
+        x, xs_arg, weight, scale_arg, out, y, arrivals, m, n, k, k_per_split, splits, x.stride(0), weight.stride(0),
+        out.stride(-2), out.stride(0) if partial else 0, y.stride(0), LAST_SPLIT_SUMS=last_split_sums,
         HAS_SCALE=scale is not None, USE_DOT=cfg.use_dot, W_AS_A=cfg.w_as_a, FP16_OPERANDS=cfg.fp16_operands,
         FP8_OPERANDS=cfg.fp8_operands,
         X_PRESCALE=prescale, OUT_FACTOR=out_factor, PARTIAL=partial, EVEN_K=k % cfg.block_k == 0,
@@ -292,13 +322,27 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
         BLOCK_M=cfg.block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(),
     )  # fmt: skip
-    if partial:
+    if partial and not last_split_sums:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](
             out, scale_arg, y, m, n, y.stride(0), SPLIT_K=splits, HAS_SCALE=scale is not None, BLOCK=block,
             **pdl_options(),
         )
     return y
+
+
+# Per device: one count per N block of the split GEMV running there. Each GEMV leaves its counts at zero,
+# and the next one starts after it ends (the decode step runs on one stream; under PDL a kernel ends only
+# after waiting for the one before), so one buffer serves them all. A CUDA graph keeps the address it
+# captured: a buffer outgrown stays allocated.
+_arrivals: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _arrival_counts(device: torch.device, n_blocks: int) -> torch.Tensor:
+    buffers = _arrivals.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < n_blocks:
+        buffers.append(torch.zeros(max(n_blocks, 1 << 16), dtype=torch.int32, device=device))
+    return buffers[-1]
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, m: int, k: int, n: int,

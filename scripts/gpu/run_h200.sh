@@ -48,6 +48,8 @@
 #                            GEMV_WEIGHTS of bf16, fp8 (W8A16), w8a8, against cuBLAS: GEMV_BUDGET (200) s + ~40 s
 #   gemv_chain               the W8A8 GEMV at one row after its producer kernel under PDL in a graph, with and
 #                            without L2 prefetches of its weights (bench_gemv_chain.py): ~200 s
+#   gemv_chain               the W8A8 GEMV's configurations at one row after their producer kernels under PDL in
+#                            a graph (bench_gemv_chain.py): ~120 s
 #   elementwise              rotary + KV write per heads-a-program, RMSNorm and SiLU-and-mul with and without the
 #                            fused FP8 quantization, quantize_rows: time and share of the copy bandwidth at 1, 512
 #                            and 8704 rows, or ELEMENTWISE_ROWS (bench_elementwise.py): ~40 s
@@ -245,6 +247,7 @@ for s in $STAGES; do
     gemv) stage gemv $((${GEMV_BUDGET:-200} + 60)) python3 scripts/gpu/bench_gemv.py --budget-s "${GEMV_BUDGET:-200}" \
       --weights "${GEMV_WEIGHTS:-bf16,fp8}" --rows "${GEMV_ROWS:-1,4,8,16}" \
       --json "$RUN/gemv.json" ;;
+    gemv_chain) stage gemv_chain 300 python3 scripts/gpu/bench_gemv_chain.py --json "$RUN/gemv_chain.json" ;;
     gemv_chain) stage gemv_chain 300 python3 scripts/gpu/bench_gemv_chain.py --json "$RUN/gemv_chain.json" ;;
     scaled_mm) stage scaled_mm 120 python3 scripts/gpu/bench_scaled_mm.py --json "$RUN/scaled_mm.json" ;;
     overlap) wait $WARM; stage overlap 200 python3 scripts/gpu/bench_overlap.py --splits "${OVERLAP_SPLITS:-256}" \

@@ -11,6 +11,8 @@ per-row scales, products of codes exact in float32). bfloat16 runs on the GPU on
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import tokenspeed_kernels.gemv as gemv_module
 import torch
@@ -84,6 +86,19 @@ def test_split_k_equals_one_pass() -> None:
     whole = gemv(x, w, scale, GemvConfig(use_dot=False, block_n=4, block_k=64, split_k=1))
     split = gemv(x, w, scale, GemvConfig(use_dot=False, block_n=4, block_k=64, split_k=4))
     assert torch.allclose(whole, split, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("m", [1, 5])
+def test_the_last_split_sums_as_the_sum_kernel_does_and_leaves_the_counts_at_zero(m: int) -> None:
+    """Split-K's sums inside the GEMV (the last split of each N block adds them) against the second kernel:
+    the same bits, call after call (each leaves its arrival counts at zero for the next)."""
+    w, scale = weight(37, 300, seed=m, fp8=True)
+    x = torch.randn(m, 300, generator=torch.Generator().manual_seed(m))
+    inside = GemvConfig(use_dot=m > 4, block_n=4 if m <= 4 else 16, block_k=32, split_k=3)
+    apart = gemv(x, w, scale, replace(inside, last_split_sums=False))
+    for _ in range(2):
+        assert torch.equal(gemv(x, w, scale, inside), apart)
+        assert not gemv_module._arrivals[x.device][-1].any()
 
 
 def test_chosen_configs_serve_every_row_count(monkeypatch: pytest.MonkeyPatch) -> None:

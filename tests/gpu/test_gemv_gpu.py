@@ -6,6 +6,8 @@ the same numbers as torch's linear to bf16 rounding."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from tokenspeed_kernels.gemv import (
@@ -88,7 +90,7 @@ def test_linear_gives_torch_linear_numbers(m: int) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability(CUDA) < (9, 0),
                     reason="programmatic dependent launch needs compute capability 9.0")
-@pytest.mark.parametrize("kind", ["bf16", "fp8", "w8a8"])
+@pytest.mark.parametrize("kind", ["bf16", "fp8", "w8a8", "w8a8 split 4"])
 def test_gemv_after_a_norm_under_pdl_in_a_graph_gives_the_plain_numbers(kind: str) -> None:
     """The GEMV loads its first weight tile before waiting for the kernel before it (the norm that writes
     its x, or x's codes and scales for W8A8): replayed in a graph, PDL on must give the plain launches'
@@ -103,6 +105,8 @@ def test_gemv_after_a_norm_under_pdl_in_a_graph_gives_the_plain_numbers(kind: st
     scale = None if scale is None else scale.view(-1)
     w8a8 = kind.startswith("w8a8")
     cfg = pick_config(1, 6144, 4096, w.dtype, fp8_x=w8a8)
+    if kind.endswith("split 4"):  # the sums by the last split of each N block
+        cfg = replace(cfg, split_k=4)
     hidden = torch.zeros(1, 4096, device=CUDA, dtype=torch.bfloat16)
 
     def norm_then_gemv() -> torch.Tensor:

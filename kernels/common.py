@@ -66,6 +66,34 @@ def check_rows(name: str, x: torch.Tensor) -> None:
         raise ValueError(f"{name} rows must hold contiguous [heads, dim], got strides {tuple(x.stride())}")
 
 
+# Per device: counts with which the programs of one kernel find the last of them to finish a piece of work
+# (which then does what needs all the pieces: the GEMV's split-K sums, decode attention's merge). Each
+# kernel leaves its counts at zero, and the next one starts after it ends (the forward pass runs on one
+# stream; under PDL a kernel ends only after waiting for the one before), so one buffer serves them all.
+# A CUDA graph keeps the address it captured: a buffer outgrown stays allocated.
+_arrivals: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def arrival_counts(device: torch.device, n: int) -> torch.Tensor:
+    """At least n int32 counts, all zero between kernels."""
+    buffers = _arrivals.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < n:
+        buffers.append(torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device))
+    return buffers[-1]
+
+
+@triton.jit
+def last_to_arrive(count_ptr, expected):
+    """Count this program in (after all its threads' stores: the barrier, then the release) and say whether
+    it is the expected-th, the last; that one's acquire orders the others' stores before its reads (which
+    must go to the L2: cache_modifier=".cg") and it zeroes the count for the next kernel."""
+    tl.debug_barrier()
+    last = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == expected - 1
+    if last:
+        tl.store(count_ptr, 0)
+    return last
+
+
 # Programmatic dependent launch (Hopper and newer): the decode-path kernels are launched so that the
 # next kernel's programs are scheduled while this one's last wave runs, each waiting (griddepcontrol)
 # for its predecessor's memory before touching what that one writes. Off by default here; the model

@@ -37,8 +37,10 @@ import triton.language as tl
 from .common import (
     FP8_DTYPE,
     INTERPRETING,
+    arrival_counts,
     check_last_dim_contiguous,
     dot_precision,
+    last_to_arrive,
     pdl_options,
     wait_for_predecessor,
 )
@@ -185,19 +187,15 @@ def _gemv_kernel(
 @triton.jit
 def _sum_if_last_split(parts, scale_ptr, y, arrivals, rn, n_ok, out_mask, SPLITS, stride_os,
                        HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """Count this split in for its N block; the last to arrive adds the block's partial sums in split order
-    (the bits of _sum_splits_kernel), scales, stores y and zeroes the count for the next GEMV. The barrier
-    puts every thread's partial before the count's release; the acquire puts the others' before the reads,
-    which go to the L2 (.cg), where the other programs' stores are."""
-    tl.debug_barrier()
-    if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+    """The last split of the N block to finish adds the block's partial sums in split order (the bits of
+    _sum_splits_kernel), scales and stores y."""
+    if last_to_arrive(arrivals, SPLITS):
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for s in range(0, SPLITS):
             acc += tl.load(parts + s * stride_os, mask=out_mask, other=0.0, cache_modifier=".cg")
         if HAS_SCALE:
             acc = acc * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
         tl.store(y, acc.to(y.dtype.element_ty), mask=out_mask)
-        tl.store(arrivals, 0)
 
 
 @triton.jit
@@ -313,7 +311,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     out = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if partial else y
     n_blocks = triton.cdiv(n, cfg.block_n)
     last_split_sums = partial and cfg.last_split_sums
-    arrivals = _arrival_counts(x.device, n_blocks) if last_split_sums else y  # unread without
+    arrivals = arrival_counts(x.device, n_blocks) if last_split_sums else y  # unread without
     _gemv_kernel[(n_blocks, splits)](
         x, xs_arg, weight, scale_arg, out, y, arrivals, m, n, k, k_per_split, splits, x.stride(0), weight.stride(0),
         out.stride(-2), out.stride(0) if partial else 0, y.stride(0), LAST_SPLIT_SUMS=last_split_sums,
@@ -331,20 +329,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
             **pdl_options(),
         )
     return y
-
-
-# Per device: one count per N block of the split GEMV running there. Each GEMV leaves its counts at zero,
-# and the next one starts after it ends (the decode step runs on one stream; under PDL a kernel ends only
-# after waiting for the one before), so one buffer serves them all. A CUDA graph keeps the address it
-# captured: a buffer outgrown stays allocated.
-_arrivals: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _arrival_counts(device: torch.device, n_blocks: int) -> torch.Tensor:
-    buffers = _arrivals.setdefault(device, [])
-    if not buffers or buffers[-1].numel() < n_blocks:
-        buffers.append(torch.zeros(max(n_blocks, 1 << 16), dtype=torch.int32, device=device))
-    return buffers[-1]
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, m: int, k: int, n: int,

@@ -1,10 +1,10 @@
 """Paged decode attention (one new query token per sequence), split-K over the context.
 
-One kernel, grid (batch, kv_heads, num_splits): a program takes one KV head with its whole group of
+Kernel 1, grid (batch, kv_heads, num_splits): a program takes one KV head with its whole group of
 query heads (GQA: the K/V rows are read once for the group) and one contiguous piece of the context;
-it writes a normalised partial output and its log-sum-exp, and the last piece of a (sequence, KV head)
-to finish (an atomic count, common.last_to_arrive) merges the group's pieces into the output. With one
-piece (large batches) the program writes the output itself. The split length is derived from each sequence's length on the device, so the grid depends
+it writes a normalised partial output and its log-sum-exp. Kernel 2, grid (batch, q_heads), merges
+the pieces; with one piece (large batches) kernel 1 writes the output itself and kernel 2 is not
+launched. The split length is derived from each sequence's length on the device, so the grid depends
 only on (batch, num_splits): the launch is CUDA-graph safe. Empty pieces (short sequences) write
 lse = -inf and weigh nothing in the merge.
 
@@ -30,11 +30,9 @@ import triton.language as tl
 
 from .common import (
     FP8_DTYPE,
-    arrival_counts,
     check_kv_scales,
     check_last_dim_contiguous,
     dot_precision,
-    last_to_arrive,
     next_power_of_2,
     pdl_options,
     wait_for_predecessor,
@@ -53,7 +51,6 @@ def _decode_split_kernel(
     part_out_ptr,
     part_lse_ptr,
     out_ptr,
-    arrivals_ptr,
     scale,
     v_scale,
     stride_qb,
@@ -72,7 +69,6 @@ def _decode_split_kernel(
     PRECISION: tl.constexpr,
     Q_TO_F16: tl.constexpr,
     WHOLE: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     wait_for_predecessor(USE_PDL)
@@ -126,31 +122,43 @@ def _decode_split_kernel(
     part = (b * (NUM_KV_HEADS * GROUP) + heads).to(tl.int64) * num_splits + split
     tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=q_mask)
     tl.store(part_lse_ptr + part, lse, mask=g_mask)
-    if last_to_arrive(arrivals_ptr + b * NUM_KV_HEADS + kvh, num_splits):
-        for g in tl.static_range(GROUP):
-            _merge_head(part_out_ptr, part_lse_ptr, out_ptr + b * stride_ob + (kvh * GROUP + g) * stride_oh,
-                        (b * (NUM_KV_HEADS * GROUP) + kvh * GROUP + g).to(tl.int64) * num_splits, num_splits,
-                        HEAD_DIM, BLOCK_D, SPLITS_PAD)  # fmt: skip
 
 
 @triton.jit
-def _merge_head(part_out_ptr, part_lse_ptr, dst, base, num_splits,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr):  # fmt: skip
-    """One head's output from its pieces [base, base + num_splits), each weighed by its share of the
-    softmax mass (exp of its lse against their log-sum-exp). The pieces are other programs' stores: read
-    from the L2."""
+def _decode_merge_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    num_splits,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    wait_for_predecessor(USE_PDL)
+    b = tl.program_id(0)
+    h = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < num_splits
-    lse = tl.load(part_lse_ptr + base + offs_s, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
+    base = (b * NUM_HEADS + h).to(tl.int64) * num_splits
+    lse = tl.load(part_lse_ptr + base + offs_s, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
     w = tl.exp(lse - m)
     w = w / tl.sum(w, 0)
     mask = s_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
-    parts = tl.load(part_out_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0,
-                    cache_modifier=".cg")  # fmt: skip
+    parts = tl.load(
+        part_out_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0
+    )
     out = tl.sum(parts * w[:, None], 0)
-    tl.store(dst + offs_d, out.to(dst.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    tl.store(
+        out_ptr + b * stride_ob + h * stride_oh + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int, block_n: int = BLOCK_N) -> int:
@@ -197,15 +205,20 @@ def paged_decode_attention(
     if q_to_f16:
         scale = scale * 256.0  # q was scaled by 2^-8
     launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
-    arrivals = out if whole else arrival_counts(q.device, batch * num_kv_heads)  # unread when whole
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, out, arrivals,
+        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, out,
         scale * k_scale, v_scale, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0),
         out.stride(1), num_splits,
         GROUP=group, GROUP_PAD=max(next_power_of_2(group), 16), NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=k_cache.shape[1], BLOCK_N=block_n,
-        PRECISION=dot_precision(q.dtype), Q_TO_F16=q_to_f16, WHOLE=whole, SPLITS_PAD=next_power_of_2(num_splits),
-        **launch, **pdl_options(),
+        PRECISION=dot_precision(q.dtype), Q_TO_F16=q_to_f16, WHOLE=whole, **launch, **pdl_options(),
+    )  # fmt: skip
+    if whole:
+        return out
+    _decode_merge_kernel[(batch, num_heads)](
+        part_out, part_lse, out, out.stride(0), out.stride(1), num_splits,
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_PAD=next_power_of_2(num_splits),
+        **pdl_options(),
     )  # fmt: skip
     return out
 

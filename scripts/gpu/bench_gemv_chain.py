@@ -5,9 +5,8 @@ kernel that makes their input, under programmatic dependent launch, in a CUDA gr
 bench_gemv.py times each GEMV alone, without PDL. In the step every GEMV follows a small kernel (the
 RMSNorm before qkv and gate_up, quantize_rows before o, SiLU-and-mul before down) and, under PDL, loads
 its first weight tile while that kernel runs, so a configuration's ramp and tail weigh differently.
-Here: 8 (producer, GEMV) pairs over 8 weights (rotated past the L2) per graph: the table's configuration with
-split-K's sums added by its last split and by a second kernel, and each of bench_gemv's W8A8 tiles at splits
-1, 2 and 4 (sums by the last split); the median of 10 replays (bench_gemv's time_ms), in us a pair. Prints, per layer, the table's
+Here: 8 (producer, GEMV) pairs over 8 weights (rotated past the L2) per graph, each of bench_gemv's W8A8
+tiles at splits 1, 2 and 4; the median of 10 replays (bench_gemv's time_ms), in us a pair. Prints, per layer, the table's
 configuration (kernels/gemv.py's _MEASURED) and the fastest ones.
 
   python scripts/gpu/bench_gemv_chain.py [--json OUT]
@@ -19,7 +18,6 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -35,10 +33,9 @@ DEV = torch.device("cuda")
 PAIRS = 8
 
 
-def configs(table: GemvConfig) -> list[GemvConfig]:
-    return [table, replace(table, last_split_sums=False)] + [
-        GemvConfig(True, bn, bk, split, warps, stages, bn >= 64, fp8_operands=True)
-        for split in (1, 2, 4) for bn, bk, stages, warps in W8A8_TILES]  # fmt: skip
+def configs() -> list[GemvConfig]:
+    return [GemvConfig(True, bn, bk, split, warps, stages, bn >= 64, fp8_operands=True)
+            for split in (1, 2, 4) for bn, bk, stages, warps in W8A8_TILES]  # fmt: skip
 
 
 def producer(name: str, k: int, gen: torch.Generator) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
@@ -78,20 +75,16 @@ def main() -> None:
         make_input = producer(name, k, gen)
         table = pick_config(1, n, k, torch.float8_e4m3fn, fp8_x=True)
         times = {}
-        for cfg in dict.fromkeys(configs(table)):
+        for cfg in dict.fromkeys([table, *configs()]):
             try:
                 times[str(cfg)] = pair_us(make_input, weights, cfg)
             except Exception as exc:  # noqa: BLE001 - a configuration the compiler refuses is left out
                 print(f"{name} {cfg}: {type(exc).__name__}", file=sys.stderr)
-        apart = times.get(str(replace(table, last_split_sums=False)))
-        report[name] = {"table": str(table), "table_us": times[str(table)], "sum_kernel_us": apart, "us": times}
+        report[name] = {"table": str(table), "table_us": times[str(table)], "us": times}
         del weights
         torch.cuda.empty_cache()
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
-    print("| layer | table config, us a pair | its split sums by a second kernel |\n|---|---|---|")
-    for name, r in report.items():
-        print(f"| {name} | {r['table_us']:.2f} | {r['sum_kernel_us']:.2f} |")
     print("| layer | table config, us a pair | fastest | us | x table |\n|---|---|---|---|---|")
     for name, r in report.items():
         for cfg, us in sorted(r["us"].items(), key=lambda item: item[1])[:3]:

@@ -89,6 +89,8 @@ done
 
 # Once per machine and set of wheels (a lock: parallel instances share /tmp/site). The stamp holds the
 # wheels' names: a warm machine reinstalls when .whl/ changed since its last call.
+# Without the wheels nothing that imports the appliance runs (pydantic): stop before any device time goes.
+compgen -G ".whl/*.whl" > /dev/null || { echo ".whl/ has no wheels: name .whl in the device call's carry"; exit 1; }
 WHEELS=$(cd .whl && ls -- *.whl)
 ( flock 9; [ "$(cat /tmp/site/.installed 2>/dev/null)" = "$WHEELS" ] || { python3 -m pip install -q --no-index \
   --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

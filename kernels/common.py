@@ -66,11 +66,11 @@ def check_rows(name: str, x: torch.Tensor) -> None:
         raise ValueError(f"{name} rows must hold contiguous [heads, dim], got strides {tuple(x.stride())}")
 
 
-# Per device: counts with which the programs of one kernel find the last of them to finish a piece of work
-# (which then does what needs all the pieces: the GEMV's split-K sums). Each
-# kernel leaves its counts at zero, and the next one starts after it ends (the forward pass runs on one
-# stream; under PDL a kernel ends only after waiting for the one before), so one buffer serves them all.
-# A CUDA graph keeps the address it captured: a buffer outgrown stays allocated.
+# Per device: counts with which the programs of one kernel find the last of them to finish a piece of work,
+# which then does what needs all the pieces (the GEMV's split-K sums). Each kernel leaves its counts at
+# zero, and the next one starts after it ends (the forward pass runs on one stream; under PDL a kernel ends
+# only after waiting for the one before), so one buffer serves them all. A CUDA graph keeps the address it
+# captured: a buffer outgrown stays allocated.
 _arrivals: dict[torch.device, list[torch.Tensor]] = {}
 
 

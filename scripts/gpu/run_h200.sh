@@ -46,8 +46,6 @@
 #                            ATTN_CASES (BATCHxCONTEXT,...), both caches: ~90 s
 #   gemv                     decode-sized GEMVs (kernels/gemv.py) swept per 8B shape and row count (GEMV_ROWS),
 #                            GEMV_WEIGHTS of bf16, fp8 (W8A16), w8a8, against cuBLAS: GEMV_BUDGET (200) s + ~40 s
-#   gemv_chain               the W8A8 GEMV at one row after its producer kernel under PDL in a graph, with and
-#                            without L2 prefetches of its weights (bench_gemv_chain.py): ~200 s
 #   gemv_chain               the W8A8 GEMV's configurations at one row after their producer kernels under PDL in
 #                            a graph (bench_gemv_chain.py): ~120 s
 #   elementwise              rotary + KV write per heads-a-program, RMSNorm and SiLU-and-mul with and without the
@@ -249,7 +247,6 @@ for s in $STAGES; do
     gemv) stage gemv $((${GEMV_BUDGET:-200} + 60)) python3 scripts/gpu/bench_gemv.py --budget-s "${GEMV_BUDGET:-200}" \
       --weights "${GEMV_WEIGHTS:-bf16,fp8}" --rows "${GEMV_ROWS:-1,4,8,16}" \
       --json "$RUN/gemv.json" ;;
-    gemv_chain) stage gemv_chain 300 python3 scripts/gpu/bench_gemv_chain.py --json "$RUN/gemv_chain.json" ;;
     gemv_chain) stage gemv_chain 300 python3 scripts/gpu/bench_gemv_chain.py --json "$RUN/gemv_chain.json" ;;
     scaled_mm) stage scaled_mm 120 python3 scripts/gpu/bench_scaled_mm.py --json "$RUN/scaled_mm.json" ;;
     overlap) wait $WARM; stage overlap 200 python3 scripts/gpu/bench_overlap.py --splits "${OVERLAP_SPLITS:-256}" \

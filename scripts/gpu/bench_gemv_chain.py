@@ -6,7 +6,7 @@ bench_gemv.py times each GEMV alone, without PDL. In the step every GEMV follows
 RMSNorm before qkv and gate_up, quantize_rows before o, SiLU-and-mul before down) and, under PDL, loads
 its first weight tile while that kernel runs, so a configuration's ramp and tail weigh differently.
 Here: 8 (producer, GEMV) pairs over 8 weights (rotated past the L2) per graph, each of bench_gemv's W8A8
-tiles at splits 1, 2 and 4; the median of 10 replays (bench_gemv's time_ms), in us a pair. Prints, per layer, the table's
+tiles at splits 1, 2, 4 and 8; the median of 10 replays (bench_gemv's time_ms), in us a pair. Prints, per layer, the table's
 configuration (kernels/gemv.py's _MEASURED) and the fastest ones.
 
   python scripts/gpu/bench_gemv_chain.py [--json OUT]
@@ -35,7 +35,7 @@ PAIRS = 8
 
 def configs() -> list[GemvConfig]:
     return [GemvConfig(True, bn, bk, split, warps, stages, bn >= 64, fp8_operands=True)
-            for split in (1, 2, 4) for bn, bk, stages, warps in W8A8_TILES]  # fmt: skip
+            for split in (1, 2, 4, 8) for bn, bk, stages, warps in W8A8_TILES]  # fmt: skip
 
 
 def producer(name: str, k: int, gen: torch.Generator) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:

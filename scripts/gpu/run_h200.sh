@@ -47,7 +47,7 @@
 #   gemv                     decode-sized GEMVs (kernels/gemv.py) swept per 8B shape and row count (GEMV_ROWS),
 #                            GEMV_WEIGHTS of bf16, fp8 (W8A16), w8a8, against cuBLAS: GEMV_BUDGET (200) s + ~40 s
 #   gemv_chain               the W8A8 GEMV's configurations at one row after their producer kernels under PDL in
-#                            a graph (bench_gemv_chain.py): ~120 s
+#                            a graph (bench_gemv_chain.py): ~30 s
 #   elementwise              rotary + KV write per heads-a-program, RMSNorm and SiLU-and-mul with and without the
 #                            fused FP8 quantization, quantize_rows: time and share of the copy bandwidth at 1, 512
 #                            and 8704 rows, or ELEMENTWISE_ROWS (bench_elementwise.py): ~40 s

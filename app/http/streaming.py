@@ -194,8 +194,14 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def json_bytes(payload: Any) -> bytes:
-    return json.dumps(payload, ensure_ascii=False, separators=(",", ":"), default=str).encode()
+def json_text(payload: Any) -> str:
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":"), default=str)
+
+
+# JSON may carry these three raw (it escapes the other characters str.splitlines breaks at: they are control
+# characters), but SSE readers that split the stream with str.splitlines (httpx's aiter_lines among them)
+# would cut a data line there. Escaped, they stay inside strings and every reader gets the same text.
+_SPLITLINES_ESCAPES = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
 def sanitize(payload: Any) -> Any:
@@ -212,11 +218,11 @@ class JSON(Response):
     media_type = "application/json"
 
     def render(self, content: Any) -> bytes:
-        return json_bytes(sanitize(content))
+        return json_text(sanitize(content)).encode()
 
 
 def sse_event(payload: Any) -> bytes:
-    return b"data: " + json_bytes(sanitize(payload)) + b"\n\n"
+    return b"data: " + json_text(sanitize(payload)).translate(_SPLITLINES_ESCAPES).encode() + b"\n\n"
 
 
 class StreamFormatter(Protocol):

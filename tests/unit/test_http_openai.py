@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -144,6 +145,19 @@ async def test_completion_stream_without_usage_has_no_usage_field() -> None:
     chunks = sse(r.text)[:-1]
     assert chunks and all("usage" not in c for c in chunks)
     assert "".join(c["choices"][0]["text"] for c in chunks) == FULL
+
+
+async def test_stream_lines_survive_text_that_splitlines_breaks_at() -> None:
+    """Token text may hold U+0085, U+2028 or U+2029, which JSON keeps raw but str.splitlines (httpx's
+    aiter_lines, many SSE readers) breaks a line at: each data line must still parse whole."""
+    pieces = ["a\x85", "b\u2028", "c\u2029", "d\x1c", "\ne\r"]
+    async with asgi_client(FakeEngine(script_pieces(pieces))) as c:
+        async with c.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "a", "stream": True}) as r:
+            lines = [line async for line in r.aiter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines), lines
+    chunks = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    assert lines[-1] == "data: [DONE]"
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "".join(pieces)
 
 
 async def test_completion_stream_echo_and_logprob_offsets() -> None:

@@ -76,8 +76,9 @@ _arrivals: dict[torch.device, list[torch.Tensor]] = {}
 
 def arrival_counts(device: torch.device, n: int) -> torch.Tensor:
     """At least n int32 counts, all zero between kernels."""
-    buffers = _arrivals.setdefault(device, [])
-    if not buffers or buffers[-1].numel() < n:
+    buffers = _arrivals.get(device)
+    if buffers is None or buffers[-1].numel() < n:
+        buffers = _arrivals.setdefault(device, [])
         buffers.append(torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device))
     return buffers[-1]
 

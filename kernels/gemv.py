@@ -120,9 +120,9 @@ def _accumulate(acc, w, x, USE_DOT: tl.constexpr, W_AS_A: tl.constexpr, FP16_OPE
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, xs_ptr, w_ptr, scale_ptr, out_ptr, y_ptr, arrivals_ptr,
+    x_ptr, xs_ptr, w_ptr, scale_ptr, y_ptr, parts_ptr, arrivals_ptr,
     M, N, K, K_PER_SPLIT, SPLITS,
-    stride_xm, stride_wn, stride_om, stride_os, stride_ym,
+    stride_xm, stride_wn, stride_ym,
     HAS_SCALE: tl.constexpr, USE_DOT: tl.constexpr, W_AS_A: tl.constexpr, FP16_OPERANDS: tl.constexpr,
     FP8_OPERANDS: tl.constexpr,
     X_PRESCALE: tl.constexpr, OUT_FACTOR: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
@@ -169,26 +169,27 @@ def _gemv_kernel(
     if FP8_OPERANDS:  # x's per-token scales: linear, so partial sums take them too
         acc = acc * tl.load(xs_ptr + rm, mask=m_ok, other=0.0)[:, None]
     out_mask = m_ok[:, None] & n_ok[None, :]
-    if PARTIAL:
-        parts = out_ptr + rm[:, None] * stride_om + rn[None, :]
-        tl.store(parts + pid_k * stride_os, acc, mask=out_mask)
-        _sum_if_last_split(parts, scale_ptr, y_ptr + rm[:, None] * stride_ym + rn[None, :], arrivals_ptr + pid_n,
-                           rn, n_ok, out_mask, SPLITS, stride_os, HAS_SCALE, BLOCK_M, BLOCK_N)  # fmt: skip
+    y = y_ptr + rm[:, None] * stride_ym + rn[None, :]
+    if PARTIAL:  # parts [SPLITS, M, N], contiguous
+        parts = parts_ptr + rm[:, None] * N + rn[None, :]
+        tl.store(parts + pid_k * M * N, acc, mask=out_mask)
+        _sum_if_last_split(parts, M * N, scale_ptr, y, arrivals_ptr + pid_n, rn, n_ok, out_mask, SPLITS,
+                           HAS_SCALE, BLOCK_M, BLOCK_N)  # fmt: skip
     else:
         if HAS_SCALE:
             acc = acc * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
-        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
-def _sum_if_last_split(parts, scale_ptr, y, arrivals, rn, n_ok, out_mask, SPLITS, stride_os,
+def _sum_if_last_split(parts, split_stride, scale_ptr, y, arrivals, rn, n_ok, out_mask, SPLITS,
                        HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     """The last split of the N block to finish adds the block's partial sums in split order, scales and
     stores y."""
     if last_to_arrive(arrivals, SPLITS):
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for s in range(0, SPLITS):
-            acc += tl.load(parts + s * stride_os, mask=out_mask, other=0.0, cache_modifier=".cg")
+            acc += tl.load(parts + s * split_stride, mask=out_mask, other=0.0, cache_modifier=".cg")
         if HAS_SCALE:
             acc = acc * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
         tl.store(y, acc.to(y.dtype.element_ty), mask=out_mask)
@@ -287,12 +288,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     splits = triton.cdiv(k, k_per_split)
     partial = splits > 1
-    out = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if partial else y
     n_blocks = triton.cdiv(n, cfg.block_n)
-    arrivals = arrival_counts(x.device, n_blocks) if partial else y  # unread without splits
+    # Without splits neither the partial sums nor the counts are read.
+    parts = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if partial else y
+    arrivals = arrival_counts(x.device, n_blocks) if partial else y
     _gemv_kernel[(n_blocks, splits)](
-        x, xs_arg, weight, scale_arg, out, y, arrivals, m, n, k, k_per_split, splits, x.stride(0), weight.stride(0),
-        out.stride(-2), out.stride(0) if partial else 0, y.stride(0),
+        x, xs_arg, weight, scale_arg, y, parts, arrivals, m, n, k, k_per_split, splits, x.stride(0), weight.stride(0),
+        y.stride(0),
         HAS_SCALE=scale is not None, USE_DOT=cfg.use_dot, W_AS_A=cfg.w_as_a, FP16_OPERANDS=cfg.fp16_operands,
         FP8_OPERANDS=cfg.fp8_operands,
         X_PRESCALE=prescale, OUT_FACTOR=out_factor, PARTIAL=partial, EVEN_K=k % cfg.block_k == 0,

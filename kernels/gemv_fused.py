@@ -176,12 +176,17 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y: torch
     cfg = config or pick_config(m, weight.shape[0], k, FP8_DTYPE, fp8_x=True)
     if silu and config is None:  # a program reads tiles of both halves: half the rows of each
         cfg = replace(cfg, block_n=max(16, cfg.block_n // 2), split_k=1)
+    if in_parts is not None and config is None:  # split so that a program's range of x fits in registers
+        while triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k > MAX_ROW:
+            cfg = replace(cfg, split_k=cfg.split_k + 1)
     problem = cfg.problem(m, FP8_DTYPE, FP8_DTYPE)
     if problem is None and silu and cfg.split_k > 1:
         problem = "the SiLU epilogue takes no split along K"
     if problem is not None:
         raise ValueError(problem)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    if in_parts is not None and k_per_split > MAX_ROW:
+        raise ValueError(f"config {cfg}: a split of {k_per_split} is wider than the {MAX_ROW} a program holds")
     splits = triton.cdiv(k, k_per_split)
     n_blocks = triton.cdiv(n, cfg.block_n)
     partial = splits > 1

@@ -91,9 +91,9 @@ def main() -> None:
             want = unfused_layer(layers[0], residual.clone(), torch.zeros_like(residual), attn, norm)
             got = fused_layer(layers[0], residual.clone(), attn, norm)
             error = float((got.double() - want.double()).norm() / want.double().norm())
-            unfused = time_ms(lambda i: unfused_layer(layers[i], residual, delta, attn, norm), LAYERS) * 1e3
-            fused = time_ms(lambda i: fused_layer(layers[i], residual, attn, norm), LAYERS) * 1e3
-            report["rows"][m] = {"unfused_us": unfused, "fused_us": fused, "qkv_rel_error": error}
+            unfused = time_ms(lambda i, r=residual, d=delta, a=attn: unfused_layer(layers[i], r, d, a, norm), LAYERS)
+            fused = time_ms(lambda i, r=residual, a=attn: fused_layer(layers[i], r, a, norm), LAYERS)
+            report["rows"][m] = {"unfused_us": unfused * 1e3, "fused_us": fused * 1e3, "qkv_rel_error": error}
     finally:
         set_pdl(False)
     if args.json:

@@ -93,8 +93,11 @@ def _fused_gemv_kernel(
     k_start = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
+    up_rows = w_rows + N.to(tl.int64) * stride_wn  # SILU: the up half's rows, N below the gate's
     # The weights depend on no kernel: the first tile streams in while the kernel before ends.
     w = _load_k_tile(w_rows, k_start + rk, k_end, n_ok, EVEN_K)
+    if SILU:
+        w_up = _load_k_tile(up_rows, k_start + rk, k_end, n_ok, EVEN_K)
     wait_for_predecessor(USE_PDL)
     for r in range(0, M):
         scale = _row_scale_and_codes(x_ptr + r * stride_xm, nw_ptr, in_parts_ptr + r * N_PARTS, codes_ptr + r * K,
@@ -105,18 +108,24 @@ def _fused_gemv_kernel(
     acc = _zeros(BLOCK_M, BLOCK_N, W_AS_A)
     x = _load_k_tile(codes_rows, k_start + rk, k_end, m_ok, EVEN_K)
     acc = _accumulate(acc, w, x, True, W_AS_A, False, True, False, PRECISION)
-    acc = _k_loop(acc, w_rows, codes_rows, rk, k_start + BLOCK_K, k_end, n_ok, m_ok, True, W_AS_A, False, True,
-                  False, PRECISION, EVEN_K, BLOCK_K)  # fmt: skip
+    if SILU:  # no splits (the launcher's rule); one loop streams both halves
+        up = _accumulate(_zeros(BLOCK_M, BLOCK_N, W_AS_A), w_up, x, True, W_AS_A, False, True, False, PRECISION)
+        for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
+            x = _load_k_tile(codes_rows, k0 + rk, k_end, m_ok, EVEN_K)
+            w = _load_k_tile(w_rows, k0 + rk, k_end, n_ok, EVEN_K)
+            acc = _accumulate(acc, w, x, True, W_AS_A, False, True, False, PRECISION)
+            w_up = _load_k_tile(up_rows, k0 + rk, k_end, n_ok, EVEN_K)
+            up = _accumulate(up, w_up, x, True, W_AS_A, False, True, False, PRECISION)
+    else:
+        acc = _k_loop(acc, w_rows, codes_rows, rk, k_start + BLOCK_K, k_end, n_ok, m_ok, True, W_AS_A, False, True,
+                      False, PRECISION, EVEN_K, BLOCK_K)  # fmt: skip
     x_scales = tl.load(xs_ptr + rm, mask=m_ok, other=0.0)[:, None]
     if W_AS_A:
         acc = tl.trans(acc)
     acc = acc * x_scales
     out_mask = m_ok[:, None] & n_ok[None, :]
     y = y_ptr + rm[:, None] * stride_ym + rn[None, :]
-    if SILU:  # no splits (the launcher's rule); the up half's rows are N below the gate's
-        up_rows = w_rows + N.to(tl.int64) * stride_wn
-        up = _k_loop(_zeros(BLOCK_M, BLOCK_N, W_AS_A), up_rows, codes_rows, rk, k_start, k_end, n_ok, m_ok, True, W_AS_A, False, True, False,
-                     PRECISION, EVEN_K, BLOCK_K)  # fmt: skip
+    if SILU:
         if W_AS_A:
             up = tl.trans(up)
         _store_silu(acc, up * x_scales, scale_ptr, rn, n_ok, N, y, out_parts_ptr + rm * tl.num_programs(0) + pid_n,

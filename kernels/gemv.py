@@ -119,18 +119,6 @@ def _accumulate(acc, w, x, USE_DOT: tl.constexpr, W_AS_A: tl.constexpr, FP16_OPE
 
 
 @triton.jit
-def _k_loop(acc, w_rows, x_rows, rk, k_from, k_end, n_ok, m_ok, USE_DOT: tl.constexpr, W_AS_A: tl.constexpr,
-            FP16_OPERANDS: tl.constexpr, FP8_OPERANDS: tl.constexpr, X_PRESCALE: tl.constexpr,
-            PRECISION: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    """acc plus the products over K from k_from to k_end, a BLOCK_K tile at a time."""
-    for k0 in range(k_from, k_end, BLOCK_K):
-        w = _load_k_tile(w_rows, k0 + rk, k_end, n_ok, EVEN_K)
-        x = _load_k_tile(x_rows, k0 + rk, k_end, m_ok, EVEN_K)
-        acc = _accumulate(acc, w, x, USE_DOT, W_AS_A, FP16_OPERANDS, FP8_OPERANDS, X_PRESCALE, PRECISION)
-    return acc
-
-
-@triton.jit
 def _gemv_kernel(
     x_ptr, xs_ptr, w_ptr, scale_ptr, y_ptr, parts_ptr, arrivals_ptr,
     M, N, K, K_PER_SPLIT, SPLITS,
@@ -168,8 +156,10 @@ def _gemv_kernel(
         x = _load_k_tile(x_rows, k_start + rk, k_end, m_ok, EVEN_K)
         acc = _accumulate(acc, w, x, USE_DOT, W_AS_A, FP16_OPERANDS, FP8_OPERANDS, X_PRESCALE, PRECISION)
         k_loop += BLOCK_K
-    acc = _k_loop(acc, w_rows, x_rows, rk, k_loop, k_end, n_ok, m_ok, USE_DOT, W_AS_A, FP16_OPERANDS,
-                  FP8_OPERANDS, X_PRESCALE, PRECISION, EVEN_K, BLOCK_K)  # fmt: skip
+    for k0 in range(k_loop, k_end, BLOCK_K):
+        w = _load_k_tile(w_rows, k0 + rk, k_end, n_ok, EVEN_K)
+        x = _load_k_tile(x_rows, k0 + rk, k_end, m_ok, EVEN_K)
+        acc = _accumulate(acc, w, x, USE_DOT, W_AS_A, FP16_OPERANDS, FP8_OPERANDS, X_PRESCALE, PRECISION)
     if not USE_DOT:
         acc = tl.sum(acc, axis=2)
     elif W_AS_A:

@@ -48,8 +48,6 @@
 #                            GEMV_WEIGHTS of bf16, fp8 (W8A16), w8a8, against cuBLAS: GEMV_BUDGET (200) s + ~40 s
 #   gemv_chain               the W8A8 GEMV's configurations at one row after their producer kernels under PDL in
 #                            a graph (bench_gemv_chain.py): ~30 s
-#   fused_layer              a decoder layer's FP8 linears and the kernels around them, unfused against fused
-#                            (kernels/gemv_fused.py) at 1 to 16 rows (bench_fused_layer.py): ~30 s
 #   elementwise              rotary + KV write per heads-a-program, RMSNorm and SiLU-and-mul with and without the
 #                            fused FP8 quantization, quantize_rows: time and share of the copy bandwidth at 1, 512
 #                            and 8704 rows, or ELEMENTWISE_ROWS (bench_elementwise.py): ~40 s
@@ -81,7 +79,7 @@ export PYTHONUNBUFFERED=1
 MODEL=configs/models/llama-3.1-8b
 STAGES=${*:-roofline latency_triton tests latency_flashinfer latency_b32 offline hf tests_8b}
 KNOWN=" roofline latency_triton tests latency_flashinfer latency_b4 latency_pdl pieces latency_b32 offline offline_no_overlap latency_fp8 kv_pool \
-latency_fp8_triton offline_1000 offline_1000_g512 offline_1000_fp8 offline_1000_fp8kv offline_b1 profile_prefill profile_b1_fp8 profile_b4 pyspy_b4 pyspy_prefill hf tests_8b idle serving serving_eager_prefill tests_tp latency_tp serving_dp tests_fp8kv tests_fp8w tests_decode tests_fi_decode tests_gemv gemv gemv_chain fused_layer attn attn_sweep elementwise scaled_mm overlap prefill_fp8 xqa_layout pytest "
+latency_fp8_triton offline_1000 offline_1000_g512 offline_1000_fp8 offline_1000_fp8kv offline_b1 profile_prefill profile_b1_fp8 profile_b4 pyspy_b4 pyspy_prefill hf tests_8b idle serving serving_eager_prefill tests_tp latency_tp serving_dp tests_fp8kv tests_fp8w tests_decode tests_fi_decode tests_gemv gemv gemv_chain attn attn_sweep elementwise scaled_mm overlap prefill_fp8 xqa_layout pytest "
 SERVING_MORE="stagger:4:0.5:32:128 b1:1:0:3:256"  # the serving stages' benchmarks after the first (serve_and_bench.sh)
 for s in $STAGES; do  # every name checked before anything runs
   [[ $KNOWN == *" $s "* ]] || { echo "unknown stage $s; known:$KNOWN"; exit 2; }
@@ -250,7 +248,6 @@ for s in $STAGES; do
       --weights "${GEMV_WEIGHTS:-bf16,fp8}" --rows "${GEMV_ROWS:-1,4,8,16}" \
       --json "$RUN/gemv.json" ;;
     gemv_chain) stage gemv_chain 300 python3 scripts/gpu/bench_gemv_chain.py --json "$RUN/gemv_chain.json" ;;
-    fused_layer) stage fused_layer 200 python3 scripts/gpu/bench_fused_layer.py --json "$RUN/fused_layer.json" ;;
     scaled_mm) stage scaled_mm 120 python3 scripts/gpu/bench_scaled_mm.py --json "$RUN/scaled_mm.json" ;;
     overlap) wait $WARM; stage overlap 200 python3 scripts/gpu/bench_overlap.py --splits "${OVERLAP_SPLITS:-256}" \
       --json "$RUN/overlap.json" ;;

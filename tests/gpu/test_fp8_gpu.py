@@ -19,7 +19,7 @@ from tokenspeed_kernels.gemv import gemv, gemv_reference
 
 from app.worker.attention import build_attention_batch, make_attention_backend
 from app.worker.kv_cache import KVCache
-from app.worker.layers import Linear, fused_fp8
+from app.worker.layers import Linear
 from app.worker.model_runner import ModelRunner
 from app.worker.quantization import (
     EMULATED,
@@ -175,9 +175,7 @@ def test_fp8_model_hands_quantized_rows_over_with_the_same_logits(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Norms and SiLU-and-mul quantizing their outputs for the FP8 GEMMs (cuBLAS beyond GEMV_MAX_ROWS
-    rows, the W8A8 GEMV up to it) give the logits of quantizing inside each linear, bit for bit. (The
-    unfused layers: decode sizes run fused otherwise, tests/gpu/test_gemv_fused_gpu.py.)"""
-    monkeypatch.setattr(fused_fp8, "MAX_ROWS", 0)
+    rows, the W8A8 GEMV up to it) give the logits of quantizing inside each linear, bit for bit."""
     model_dir = build_tiny_model("llama", tmp_path, seed=5, initializer_range=0.1)
     runner = ModelRunner(settings(model_dir, quantization="fp8", block_size=4), CUDA)
     prompts = prompts_for(runner.vocab_size, [3, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 60])

@@ -64,7 +64,6 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
         decode_attention,
         fp8_quant,
         gemv,
-        gemv_fused,
         greedy,
         kv_write,
         page_table,
@@ -123,7 +122,6 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
     indptr = torch.tensor([0, 2, 5], dtype=torch.int32)
     out.append(("flatten_block_tables", lambda: page_table.flatten_block_tables(table, indptr, 5)))
     out += gemv_cases(gemv)
-    out += fused_gemv_cases(gemv, gemv_fused)
     return out
 
 
@@ -184,28 +182,6 @@ def w8a8_gemv_cases(gemv) -> list[tuple[str, Callable[[], object]]]:  # noqa: AN
     x, x_scale = torch.zeros(1, k).to(FP8), torch.ones(1, 1)
     return [(f"gemv {FP8} x {FP8} {config}",
              lambda c=config: gemv.gemv(x, w, scale, c, x_scale, torch.bfloat16)) for config in configs]  # fmt: skip
-
-
-def fused_gemv_cases(gemv, gemv_fused) -> list[tuple[str, Callable[[], object]]]:  # noqa: ANN001
-    """The GEMVs with their producers folded in, at the W8A8 table's configurations (the fused kernel runs
-    them): the norm (plain and gated), and the residual add from x's amax and from partial maxima."""
-    n, k = 512, 1024
-    w, scale, norm = torch.zeros(n, k).to(FP8), torch.ones(n), torch.ones(k, dtype=torch.bfloat16)
-    configs = {c for (f, *_), c in gemv._MEASURED.items() if f == "w8a8"}
-    out = []
-    for dtype in HALF_TYPES:
-        x, residual, parts = torch.zeros(1, k, dtype=dtype), torch.zeros(1, n, dtype=dtype), torch.ones(1, 7)
-        nw = norm.to(dtype)
-        for c in configs:
-            out.append((f"norm_gemv {dtype} x float8 {c}", lambda x=x, nw=nw, c=c: gemv_fused.norm_gemv(
-                x, nw, 1e-6, w, scale, config=c)))  # fmt: skip
-            out.append((f"gemv_add {dtype} x float8 {c}",
-                        lambda x=x, r=residual, c=c: gemv_fused.gemv_add(x, w, scale, r, config=c)))  # fmt: skip
-            out.append((f"gemv_add from partial maxima {dtype} x float8 {c}",
-                        lambda x=x, r=residual, p=parts, c=c: gemv_fused.gemv_add(x, w, scale, r, p, c)))  # fmt: skip
-        out.append((f"norm_gemv gated {dtype} x float8", lambda x=x, nw=nw: gemv_fused.norm_gemv(
-            x, nw, 1e-6, w, scale, gated=True)))  # fmt: skip
-    return out
 
 
 def main() -> int:

@@ -27,7 +27,6 @@ from app.worker.layers import (
     RotaryEmbedding,
     SiluAndMul,
     VocabEmbedding,
-    fused_fp8,
     rope_spec_from_config,
 )
 from app.worker.layers.linear import RowParallelLinear, local_kv_heads
@@ -113,20 +112,15 @@ class DenseAttention(nn.Module):
         self.qk_norm = opts.qk_norm
 
     def forward(self, hidden: torch.Tensor | Fp8Rows, rope: Rope, attn: AttentionMetadata) -> torch.Tensor:
-        return self.o_proj(self.attend(*self.qkv_proj.forward_split(hidden), rope, attn))
-
-    def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope, attn: AttentionMetadata
-    ) -> torch.Tensor:
-        """The projections [T, heads * head_dim] each -> the attention output [T, heads * head_dim]."""
         d = self.dims
+        q, k, v = self.qkv_proj.forward_split(hidden)
         q = q.view(-1, d.num_heads, d.head_dim)
         k = k.view(-1, d.num_kv_heads, d.head_dim)
         v = v.view(-1, d.num_kv_heads, d.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         out = attn.backend.forward(self.layer_idx, q, k, v, attn, rope)
-        return out.reshape(-1, d.num_heads * d.head_dim)
+        return self.o_proj(out.reshape(-1, d.num_heads * d.head_dim))
 
 
 class DenseMLP(nn.Module):
@@ -167,20 +161,6 @@ class DenseDecoderLayer(nn.Module):
         normed, residual = self.post_attention_layernorm.add_forward(attn_out, residual, quantize)
         return self.mlp(normed), residual
 
-    def runs_fused(self) -> bool:
-        """Whether decode-sized batches run forward_fused (app/worker/layers/fused_fp8.py)."""
-        a, mlp = self.self_attn, self.mlp
-        return fused_fp8.serves(a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
-
-    def forward_fused(self, residual: torch.Tensor, rope: Rope, attn: AttentionMetadata) -> None:
-        """The layer on the residual stream (updated in place) with the norms, the FP8 quantization,
-        SiLU-and-mul and the residual adds inside its four GEMVs."""
-        a, mlp = self.self_attn, self.mlp
-        qkv = fused_fp8.norm_linear(residual, self.input_layernorm, a.qkv_proj)
-        fused_fp8.add_linear(a.attend(*qkv.split(a.qkv_proj.sizes, dim=-1), rope, attn), a.o_proj, residual)
-        products, parts = fused_fp8.norm_gate_up(residual, self.post_attention_layernorm, mlp.gate_up_proj)
-        fused_fp8.add_linear(products, mlp.down_proj, residual, parts)
-
 
 class DenseModel(nn.Module):
     def __init__(
@@ -191,30 +171,18 @@ class DenseModel(nn.Module):
         self.layers = nn.ModuleList(DenseDecoderLayer(dims, opts, i, dtype) for i in range(dims.num_layers))
         self.norm = RMSNorm(dims.hidden, dims.eps, dtype)
         self.rotary = rotary
-        self._fused: bool | None = None  # whether the layers run fused at decode sizes: known once loaded
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         rope = Rope(self.rotary, positions, hidden.dtype)
-        if self._runs_fused(hidden):  # hidden is the residual stream from here
-            for layer in self.layers:
-                layer.forward_fused(hidden, rope, attn)
-            return self.norm(hidden)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, rope, attn)
         if residual is None:  # no layers
             return self.norm(hidden)
         return self.norm.add_forward(hidden, residual)[0]
-
-    def _runs_fused(self, hidden: torch.Tensor) -> bool:
-        if not (hidden.is_cuda and 0 < hidden.shape[0] <= fused_fp8.MAX_ROWS and self.layers):
-            return False
-        if self._fused is None:  # the linears' GEMM backends are chosen when the weights are loaded
-            self._fused = all(layer.runs_fused() for layer in self.layers)
-        return self._fused
 
 
 # (fused parameter infix, checkpoint infix, shard id)

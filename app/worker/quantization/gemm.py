@@ -82,7 +82,7 @@ def _product(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weig
              dtype: torch.dtype, backend: str) -> torch.Tensor:  # fmt: skip
     """W8A8: codes [M, K] with scales [M, 1] (per token, or the static scale) times the weight, by the
     backend's GEMM, in dtype."""
-    if runs_gemv(backend, xq.shape[0]):
+    if _runs_gemv(backend, xq.shape[0]):
         return gemv(xq.contiguous(), weight, weight_scale, x_scale=x_scale, out_dtype=dtype)
     if backend == SCALED_MM_ROWWISE:
         return _scaled_mm_rowwise(xq, x_scale, weight, weight_scale, dtype)
@@ -93,7 +93,7 @@ def _product(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weig
     raise ValueError(f"unknown FP8 GEMM backend {backend!r}")
 
 
-def runs_gemv(backend: str, rows: int) -> bool:
+def _runs_gemv(backend: str, rows: int) -> bool:
     """Decode-sized batches on FP8 tensor cores run the GEMV (see the module docstring)."""
     return backend in (SCALED_MM_ROWWISE, SCALED_MM_TENSORWISE) and rows <= GEMV_MAX_ROWS
 

@@ -34,7 +34,7 @@ from app.worker.quantization.fp8 import (
     quantize_rows,
     requantize_blocks_to_rows,
 )
-from app.worker.quantization.gemm import EMULATED, fp8_linear, gemm_backend, runs_gemv
+from app.worker.quantization.gemm import EMULATED, fp8_linear, gemm_backend
 from app.worker.quantization.scheme import Fp8Scheme
 
 Shard = str | int | None
@@ -201,11 +201,6 @@ class Fp8LinearMethod:
         """Whether apply() quantizes its input per token (dynamic scales): the kernel that makes the input
         may then hand it over quantized (Fp8Rows), saving a launch and a pass over the activations."""
         return not self.scheme.static_activations
-
-    def runs_w8a8_gemv(self, layer: nn.Module) -> bool:
-        """Whether decode-sized inputs quantized per token run the W8A8 GEMV here (FP8 tensor cores): what
-        the fused decode layer (app/worker/layers/fused_fp8.py) builds on."""
-        return self.takes_quantized_rows() and runs_gemv(layer.fp8_backend, 1)
 
     def apply(self, layer: nn.Module, x: torch.Tensor | Fp8Rows, bias: torch.Tensor | None) -> torch.Tensor:
         input_scale = layer.input_scale if self.scheme.static_activations else None

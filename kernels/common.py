@@ -130,5 +130,5 @@ def wait_for_predecessor(USE_PDL: tl.constexpr):
     be scheduled. A kernel's first statement, or after loads of what no kernel writes (the GEMV's
     weights): no read-after-write nor write-after-read race on anything a kernel produces."""
     if USE_PDL:
-        gdc_launch_dependents()
         gdc_wait()
+        gdc_launch_dependents()

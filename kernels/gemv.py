@@ -67,8 +67,6 @@ class GemvConfig:
     # tensor cores multiply codes by codes with no conversion in registers. (x quantized by each program
     # itself measured several times slower: every program must read all of x for the scales first.)
     fp8_operands: bool = False
-    # Under PDL: weight tiles loaded before waiting for the kernel before (fewer where a split is shorter).
-    pre_tiles: int = 1
 
     def block_m(self, m: int) -> int:
         return 16 if self.use_dot else triton.next_power_of_2(m)
@@ -129,7 +127,7 @@ def _gemv_kernel(
     FP8_OPERANDS: tl.constexpr,
     X_PRESCALE: tl.constexpr, OUT_FACTOR: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRE_TILES: tl.constexpr, USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -151,28 +149,13 @@ def _gemv_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     k_loop = k_start
     if USE_PDL:
-        # The weights do not depend on the kernel before this one: their first tiles stream in while
+        # The weights do not depend on the kernel before this one: their first tile streams in while
         # that kernel finishes. x does, so it waits. (Without PDL the loop's own pipelining is faster.)
         w = _load_k_tile(w_rows, k_start + rk, k_end, n_ok, EVEN_K)
-        if PRE_TILES > 1:
-            w1 = _load_k_tile(w_rows, k_start + BLOCK_K + rk, k_end, n_ok, EVEN_K)
-        if PRE_TILES > 2:
-            w2 = _load_k_tile(w_rows, k_start + 2 * BLOCK_K + rk, k_end, n_ok, EVEN_K)
-        if PRE_TILES > 3:
-            w3 = _load_k_tile(w_rows, k_start + 3 * BLOCK_K + rk, k_end, n_ok, EVEN_K)
         wait_for_predecessor(USE_PDL)
         x = _load_k_tile(x_rows, k_start + rk, k_end, m_ok, EVEN_K)
         acc = _accumulate(acc, w, x, USE_DOT, W_AS_A, FP16_OPERANDS, FP8_OPERANDS, X_PRESCALE, PRECISION)
-        if PRE_TILES > 1:
-            x = _load_k_tile(x_rows, k_start + BLOCK_K + rk, k_end, m_ok, EVEN_K)
-            acc = _accumulate(acc, w1, x, USE_DOT, W_AS_A, FP16_OPERANDS, FP8_OPERANDS, X_PRESCALE, PRECISION)
-        if PRE_TILES > 2:
-            x = _load_k_tile(x_rows, k_start + 2 * BLOCK_K + rk, k_end, m_ok, EVEN_K)
-            acc = _accumulate(acc, w2, x, USE_DOT, W_AS_A, FP16_OPERANDS, FP8_OPERANDS, X_PRESCALE, PRECISION)
-        if PRE_TILES > 3:
-            x = _load_k_tile(x_rows, k_start + 3 * BLOCK_K + rk, k_end, m_ok, EVEN_K)
-            acc = _accumulate(acc, w3, x, USE_DOT, W_AS_A, FP16_OPERANDS, FP8_OPERANDS, X_PRESCALE, PRECISION)
-        k_loop += PRE_TILES * BLOCK_K
+        k_loop += BLOCK_K
     for k0 in range(k_loop, k_end, BLOCK_K):
         w = _load_k_tile(w_rows, k0 + rk, k_end, n_ok, EVEN_K)
         x = _load_k_tile(x_rows, k0 + rk, k_end, m_ok, EVEN_K)
@@ -308,8 +291,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     n_blocks = triton.cdiv(n, cfg.block_n)
     # Without splits neither the partial sums nor the counts are read.
     parts = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if partial else y
-    # Tiles loaded before the PDL wait: all within the shortest (the last) split, at most 4.
-    pre_tiles = max(1, min(cfg.pre_tiles, 4, triton.cdiv(k - (splits - 1) * k_per_split, cfg.block_k)))
     arrivals = arrival_counts(x.device, n_blocks) if partial else y
     _gemv_kernel[(n_blocks, splits)](
         x, xs_arg, weight, scale_arg, y, parts, arrivals, m, n, k, k_per_split, splits, x.stride(0), weight.stride(0),
@@ -318,7 +299,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
         FP8_OPERANDS=cfg.fp8_operands,
         X_PRESCALE=prescale, OUT_FACTOR=out_factor, PARTIAL=partial, EVEN_K=k % cfg.block_k == 0,
         PRECISION=dot_precision(torch.float16 if cfg.fp16_operands or cfg.fp8_operands else x.dtype),
-        BLOCK_M=cfg.block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRE_TILES=pre_tiles,
+        BLOCK_M=cfg.block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(),
     )  # fmt: skip
     return y

@@ -33,7 +33,6 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .common import (
     FP8_DTYPE,
@@ -68,9 +67,6 @@ class GemvConfig:
     # tensor cores multiply codes by codes with no conversion in registers. (x quantized by each program
     # itself measured several times slower: every program must read all of x for the scales first.)
     fp8_operands: bool = False
-    # DOT: weight tiles through the Hopper tensor memory accelerator (a TMA descriptor) instead of per-thread
-    # loads: tiles of at most 256 x 256, K a multiple of 16 bytes.
-    tma: bool = False
 
     def block_m(self, m: int) -> int:
         return 16 if self.use_dot else triton.next_power_of_2(m)
@@ -87,8 +83,6 @@ class GemvConfig:
             return f"config {self}: FP8 operands serve FP8 weights and the DOT body"
         if (x_dtype == FP8_DTYPE) != self.fp8_operands:
             return f"config {self}: FP8 operands go with x as FP8 codes, and only with them"
-        if self.tma and (not self.use_dot or INTERPRETING or max(self.block_n, self.block_k) > 256):
-            return f"config {self}: TMA tiles need the DOT body on a GPU and at most 256 x 256"
         return None
 
 
@@ -126,14 +120,14 @@ def _accumulate(acc, w, x, USE_DOT: tl.constexpr, W_AS_A: tl.constexpr, FP16_OPE
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, xs_ptr, w_ptr, w_desc, scale_ptr, y_ptr, parts_ptr, arrivals_ptr,
+    x_ptr, xs_ptr, w_ptr, scale_ptr, y_ptr, parts_ptr, arrivals_ptr,
     M, N, K, K_PER_SPLIT, SPLITS,
     stride_xm, stride_wn, stride_ym,
     HAS_SCALE: tl.constexpr, USE_DOT: tl.constexpr, W_AS_A: tl.constexpr, FP16_OPERANDS: tl.constexpr,
     FP8_OPERANDS: tl.constexpr,
     X_PRESCALE: tl.constexpr, OUT_FACTOR: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    W_TMA: tl.constexpr, USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -157,19 +151,13 @@ def _gemv_kernel(
     if USE_PDL:
         # The weights do not depend on the kernel before this one: their first tile streams in while
         # that kernel finishes. x does, so it waits. (Without PDL the loop's own pipelining is faster.)
-        if W_TMA:
-            w = w_desc.load([pid_n * BLOCK_N, k_start])
-        else:
-            w = _load_k_tile(w_rows, k_start + rk, k_end, n_ok, EVEN_K)
+        w = _load_k_tile(w_rows, k_start + rk, k_end, n_ok, EVEN_K)
         wait_for_predecessor(USE_PDL)
         x = _load_k_tile(x_rows, k_start + rk, k_end, m_ok, EVEN_K)
         acc = _accumulate(acc, w, x, USE_DOT, W_AS_A, FP16_OPERANDS, FP8_OPERANDS, X_PRESCALE, PRECISION)
         k_loop += BLOCK_K
     for k0 in range(k_loop, k_end, BLOCK_K):
-        if W_TMA:  # rows past N and columns past K come as zeros
-            w = w_desc.load([pid_n * BLOCK_N, k0])
-        else:
-            w = _load_k_tile(w_rows, k0 + rk, k_end, n_ok, EVEN_K)
+        w = _load_k_tile(w_rows, k0 + rk, k_end, n_ok, EVEN_K)
         x = _load_k_tile(x_rows, k0 + rk, k_end, m_ok, EVEN_K)
         acc = _accumulate(acc, w, x, USE_DOT, W_AS_A, FP16_OPERANDS, FP8_OPERANDS, X_PRESCALE, PRECISION)
     if not USE_DOT:
@@ -304,15 +292,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     # Without splits neither the partial sums nor the counts are read.
     parts = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if partial else y
     arrivals = arrival_counts(x.device, n_blocks) if partial else y
-    w_desc = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]) if cfg.tma else weight
     _gemv_kernel[(n_blocks, splits)](
-        x, xs_arg, weight, w_desc, scale_arg, y, parts, arrivals, m, n, k, k_per_split, splits, x.stride(0), weight.stride(0),
+        x, xs_arg, weight, scale_arg, y, parts, arrivals, m, n, k, k_per_split, splits, x.stride(0), weight.stride(0),
         y.stride(0),
         HAS_SCALE=scale is not None, USE_DOT=cfg.use_dot, W_AS_A=cfg.w_as_a, FP16_OPERANDS=cfg.fp16_operands,
         FP8_OPERANDS=cfg.fp8_operands,
         X_PRESCALE=prescale, OUT_FACTOR=out_factor, PARTIAL=partial, EVEN_K=k % cfg.block_k == 0,
         PRECISION=dot_precision(torch.float16 if cfg.fp16_operands or cfg.fp8_operands else x.dtype),
-        BLOCK_M=cfg.block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, W_TMA=cfg.tma,
+        BLOCK_M=cfg.block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(),
     )  # fmt: skip
     return y

@@ -18,7 +18,6 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -67,7 +66,6 @@ def pair_us(make_input: Callable, weights: list, cfg: GemvConfig) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--tma", action="store_true", help="the tiles of up to 256 x 256 with TMA weight loads too")
     args = parser.parse_args()
     gen = torch.Generator(device=DEV).manual_seed(0)
     report = {}
@@ -77,10 +75,7 @@ def main() -> None:
         make_input = producer(name, k, gen)
         table = pick_config(1, n, k, torch.float8_e4m3fn, fp8_x=True)
         times = {}
-        candidates = configs()
-        if args.tma:
-            candidates += [replace(c, tma=True) for c in candidates if max(c.block_n, c.block_k) <= 256]
-        for cfg in dict.fromkeys([table, *candidates]):
+        for cfg in dict.fromkeys([table, *configs()]):
             try:
                 times[str(cfg)] = pair_us(make_input, weights, cfg)
             except Exception as exc:  # noqa: BLE001 - a configuration the compiler refuses is left out

@@ -15,7 +15,6 @@ from __future__ import annotations
 import sys
 import traceback
 from collections.abc import Callable
-from dataclasses import replace
 
 import torch
 import triton.runtime.jit as jit
@@ -180,7 +179,6 @@ def w8a8_gemv_cases(gemv) -> list[tuple[str, Callable[[], object]]]:  # noqa: AN
     w, scale = torch.zeros(n, k).to(FP8), torch.ones(n)
     configs = {gemv.pick_config(m, n, k, FP8, fp8_x=True) for m in gemv.ROW_BUCKETS}
     configs |= {c for (f, *_), c in gemv._MEASURED.items() if f == "w8a8"}
-    configs |= {replace(c, tma=True) for c in configs if not c.problem(1, FP8, FP8) and c.block_k <= 256}
     x, x_scale = torch.zeros(1, k).to(FP8), torch.ones(1, 1)
     return [(f"gemv {FP8} x {FP8} {config}",
              lambda c=config: gemv.gemv(x, w, scale, c, x_scale, torch.bfloat16)) for config in configs]  # fmt: skip

@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -36,6 +37,17 @@ PAIRS = 8
 def configs() -> list[GemvConfig]:
     return [GemvConfig(True, bn, bk, split, warps, stages, bn >= 64, fp8_operands=True)
             for split in (1, 2, 4, 8) for bn, bk, stages, warps in W8A8_TILES]  # fmt: skip
+
+
+def deeper_pipelines(table: GemvConfig, k: int) -> list[GemvConfig]:
+    """The table's tile with more loads in flight a program: up to a whole split's tiles (8 stages), while
+    the stages' weight tiles fit in 200 KB of shared memory."""
+    out = []
+    for split in (1, 2, 4, 8):
+        for stages in (2, 3, 4, 5, 6, 8):
+            if stages * table.block_n * table.block_k <= 200 * 1024 and k // split >= table.block_k:
+                out.append(replace(table, split_k=split, num_stages=stages))
+    return out
 
 
 def producer(name: str, k: int, gen: torch.Generator) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
@@ -66,6 +78,8 @@ def pair_us(make_input: Callable, weights: list, cfg: GemvConfig) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--stages", action="store_true",
+                        help="the table's tiles at 2 to 8 pipeline stages and 1 to 8 splits instead of the sweep")
     args = parser.parse_args()
     gen = torch.Generator(device=DEV).manual_seed(0)
     report = {}
@@ -75,7 +89,8 @@ def main() -> None:
         make_input = producer(name, k, gen)
         table = pick_config(1, n, k, torch.float8_e4m3fn, fp8_x=True)
         times = {}
-        for cfg in dict.fromkeys([table, *configs()]):
+        candidates = deeper_pipelines(table, k) if args.stages else configs()
+        for cfg in dict.fromkeys([table, *candidates]):
             try:
                 times[str(cfg)] = pair_us(make_input, weights, cfg)
             except Exception as exc:  # noqa: BLE001 - a configuration the compiler refuses is left out

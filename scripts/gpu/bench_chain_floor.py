@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -29,8 +30,7 @@ from tokenspeed_kernels import fp8_quant  # noqa: E402
 from tokenspeed_kernels.common import pdl_options, set_pdl, wait_for_predecessor  # noqa: E402
 from tokenspeed_kernels.gemv import gemv, pick_config  # noqa: E402
 
-from scripts.bench_latency import median_cuda_ms  # noqa: E402
-from scripts.gpu.bench_gemv import SHAPES  # noqa: E402
+from scripts.gpu.bench_gemv import SHAPES, time_ms  # noqa: E402
 
 DEV = torch.device("cuda")
 CHAIN = 64
@@ -44,23 +44,19 @@ def _hop_kernel(src_ptr, dst_ptr, USE_PDL: tl.constexpr):
     tl.store(dst_ptr + pid, tl.load(src_ptr + pid) + 1.0)
 
 
-def chain_us(programs: int, pdl: bool) -> float:
-    buffers = [torch.zeros(programs, device=DEV) for _ in range(2)]
+def pdl_graph_us(fn: Callable[[int], object], calls: int, pdl: bool) -> float:
+    """bench_gemv's time_ms (one graph of fn(0) .. fn(calls - 1), median replay) with PDL as given; us a call."""
     set_pdl(pdl)
     try:
-
-        def run() -> None:
-            for i in range(CHAIN):
-                _hop_kernel[(programs,)](buffers[i % 2], buffers[(i + 1) % 2], **pdl_options())
-
-        run()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run()
+        return time_ms(fn, calls) * 1e3
     finally:
         set_pdl(False)
-    return median_cuda_ms(graph.replay, 20) / CHAIN * 1e3
+
+
+def chain_us(programs: int, pdl: bool) -> float:
+    buffers = [torch.zeros(programs, device=DEV) for _ in range(2)]
+    return pdl_graph_us(lambda i: _hop_kernel[(programs,)](buffers[i % 2], buffers[(i + 1) % 2], **pdl_options()),
+                        CHAIN, pdl)  # fmt: skip
 
 
 def gemv_us(n: int, k: int, rotate: bool, gen: torch.Generator) -> float:
@@ -73,22 +69,12 @@ def gemv_us(n: int, k: int, rotate: bool, gen: torch.Generator) -> float:
     x, xs = fp8_quant.quantize_rows(torch.randn(1, k, generator=gen, device=DEV))
     cfg = pick_config(1, n, k, torch.float8_e4m3fn, fp8_x=True)
     flag = torch.zeros(1, device=DEV)
-    set_pdl(True)
-    try:
 
-        def run() -> None:
-            for i in range(GEMVS):
-                _hop_kernel[(1,)](flag, flag, **pdl_options())
-                gemv(x, *weights[i % copies], cfg, xs, torch.bfloat16)
+    def pair(i: int) -> None:
+        _hop_kernel[(1,)](flag, flag, **pdl_options())
+        gemv(x, *weights[i % copies], cfg, xs, torch.bfloat16)
 
-        run()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run()
-    finally:
-        set_pdl(False)
-    return median_cuda_ms(graph.replay, 20) / GEMVS * 1e3
+    return pdl_graph_us(pair, GEMVS, True)
 
 
 def main() -> None:

@@ -18,6 +18,7 @@ ARGS="--model configs/models/llama-3.1-8b --load-format dummy --dtype bfloat16 -
   --batch-size 1 --input-len 512 --output-len 128"
 one() {  # one TREE_DIR KERNELS_DIR NAME [flags]: the graph replay ms, or "failed"
   local dir=$1 kernels=$2 name=$3; shift 3
+  rm -f "/tmp/ab_$name.json"  # a failed run must not report an earlier call's figure
   ( cd "$dir" && PYTHONPATH=/tmp/site:$kernels:$PWD timeout 120 python3 scripts/bench_latency.py $ARGS "$@" \
       --json "/tmp/ab_$name.json" > "/tmp/ab_$name.log" 2>&1 ) \
     && python3 -c "import json; print(json.load(open('/tmp/ab_$name.json'))['graph_replay_ms'])" || echo failed

@@ -35,7 +35,9 @@ done
 python3 - "$OUT/ab_latency.json" <<'PY'
 import json, sys
 rows = [line.split() for line in open("/tmp/ab_rows.txt")]
-json.dump([{"round": int(r), "weights": w, "old_ms": o, "new_ms": n} for r, w, o, n in rows], open(sys.argv[1], "w"), indent=2)
+ms = lambda v: None if v == "failed" else float(v)  # noqa: E731
+json.dump([{"round": int(r), "weights": w, "old_ms": ms(o), "new_ms": ms(n)} for r, w, o, n in rows],
+          open(sys.argv[1], "w"), indent=2)
 print("| round | weights | old ms | new ms | new / old |\n|---|---|---|---|---|")
 for r, w, o, n in rows:
     ratio = f"{float(n) / float(o):.3f}" if "failed" not in (o, n) else "-"

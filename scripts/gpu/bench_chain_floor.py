@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -27,7 +26,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from tokenspeed_kernels import fp8_quant  # noqa: E402
-from tokenspeed_kernels.common import pdl_options, set_pdl, wait_for_predecessor  # noqa: E402
+from tokenspeed_kernels.common import pdl_options, wait_for_predecessor  # noqa: E402
 from tokenspeed_kernels.gemv import gemv, pick_config  # noqa: E402
 
 from scripts.gpu.bench_gemv import SHAPES, time_ms  # noqa: E402
@@ -44,19 +43,10 @@ def _hop_kernel(src_ptr, dst_ptr, USE_PDL: tl.constexpr):
     tl.store(dst_ptr + pid, tl.load(src_ptr + pid) + 1.0)
 
 
-def pdl_graph_us(fn: Callable[[int], object], calls: int, pdl: bool) -> float:
-    """bench_gemv's time_ms (one graph of fn(0) .. fn(calls - 1), median replay) with PDL as given; us a call."""
-    set_pdl(pdl)
-    try:
-        return time_ms(fn, calls) * 1e3
-    finally:
-        set_pdl(False)
-
-
 def chain_us(programs: int, pdl: bool) -> float:
     buffers = [torch.zeros(programs, device=DEV) for _ in range(2)]
-    return pdl_graph_us(lambda i: _hop_kernel[(programs,)](buffers[i % 2], buffers[(i + 1) % 2], **pdl_options()),
-                        CHAIN, pdl)  # fmt: skip
+    hop = lambda i: _hop_kernel[(programs,)](buffers[i % 2], buffers[(i + 1) % 2], **pdl_options())  # noqa: E731
+    return time_ms(hop, CHAIN, pdl) * 1e3
 
 
 def gemv_us(n: int, k: int, rotate: bool, gen: torch.Generator) -> float:
@@ -74,7 +64,7 @@ def gemv_us(n: int, k: int, rotate: bool, gen: torch.Generator) -> float:
         _hop_kernel[(1,)](flag, flag, **pdl_options())
         gemv(x, *weights[i % copies], cfg, xs, torch.bfloat16)
 
-    return pdl_graph_us(pair, GEMVS, True)
+    return time_ms(pair, GEMVS, pdl=True) * 1e3
 
 
 def main() -> None:

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from tokenspeed_kernels.common import set_pdl  # noqa: E402
 from tokenspeed_kernels.gemv import (  # noqa: E402
     GemvConfig,
     gemv,
@@ -84,15 +85,20 @@ def compile_all(groups: set[tuple[int, str]], deadline: float) -> None:
     torch.cuda.synchronize()
 
 
-def time_ms(fn, copies: int) -> float:
-    """fn(i) uses weight copy i; one graph runs every copy once; median per call."""
-    for i in range(copies):
-        fn(i)  # compile / warm up outside the graph
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+def time_ms(fn, copies: int, pdl: bool = False) -> float:
+    """fn(i) uses weight copy i; one graph runs every copy once; median per call. pdl: the kernels are
+    captured under programmatic dependent launch (set_pdl), as the decode step runs them."""
+    set_pdl(pdl)
+    try:
         for i in range(copies):
-            fn(i)
+            fn(i)  # compile / warm up outside the graph
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(copies):
+                fn(i)
+    finally:
+        set_pdl(False)
     return median_cuda_ms(graph.replay, 10) / copies
 
 

@@ -25,7 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 from tokenspeed_kernels import activation, fp8_quant, rmsnorm  # noqa: E402
-from tokenspeed_kernels.common import set_pdl  # noqa: E402
 from tokenspeed_kernels.gemv import GemvConfig, gemv, pick_config  # noqa: E402
 
 from scripts.gpu.bench_gemv import SHAPES, W8A8_TILES, time_ms  # noqa: E402
@@ -68,11 +67,7 @@ def pair_us(make_input: Callable, weights: list, cfg: GemvConfig) -> float:
         codes, scales = make_input()
         gemv(codes, weights[i][0], weights[i][1], cfg, scales, torch.bfloat16)
 
-    set_pdl(True)
-    try:
-        return time_ms(pair, len(weights)) * 1e3
-    finally:
-        set_pdl(False)
+    return time_ms(pair, len(weights), pdl=True) * 1e3
 
 
 def main() -> None:

@@ -28,11 +28,12 @@ import triton.language as tl  # noqa: E402
 from tokenspeed_kernels import fp8_quant  # noqa: E402
 from tokenspeed_kernels.gemv import gemv, pick_config  # noqa: E402
 
-from scripts.bench_latency import median_cuda_ms  # noqa: E402
+from scripts.gpu.bench_gemv import SHAPES as GEMV_SHAPES  # noqa: E402
+from scripts.gpu.bench_gemv import time_ms  # noqa: E402
 
 DEV = torch.device("cuda")
 ROUNDS = 8
-SHAPES = {"o": (4096, 4096), "qkv": (6144, 4096), "down": (4096, 14336)}
+SHAPES = {name: GEMV_SHAPES[name] for name in ("o", "qkv", "down")}
 
 
 @triton.jit
@@ -66,14 +67,7 @@ def prefetch(w: torch.Tensor, programs: int, chunk: int) -> None:
 
 
 def round_us(fn, copies: int) -> float:
-    for i in range(copies):
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(copies):
-            fn(i)
-    return median_cuda_ms(graph.replay, 10) / copies * 1e3
+    return time_ms(fn, copies) * 1e3
 
 
 def shape_rows(n: int, k: int, gen: torch.Generator, sink: torch.Tensor) -> dict[str, float]:

@@ -147,12 +147,21 @@ def _gemv_kernel(
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    # The scales are read before the loop, not after it: a load after the loop is one more round trip to
+    # memory on the program's path, before its stores.
+    if HAS_SCALE:
+        w_scales = tl.load(scale_ptr + rn, mask=n_ok, other=0.0)
+    else:
+        w_scales = tl.full((BLOCK_N,), 1.0, tl.float32)
     k_loop = k_start
     if USE_PDL:
         # The weights do not depend on the kernel before this one: their first tile streams in while
         # that kernel finishes. x does, so it waits. (Without PDL the loop's own pipelining is faster.)
         w = _load_k_tile(w_rows, k_start + rk, k_end, n_ok, EVEN_K)
         wait_for_predecessor(USE_PDL)
+    if FP8_OPERANDS:  # x's per-token scales, written by the kernel before
+        x_scales = tl.load(xs_ptr + rm, mask=m_ok, other=0.0)
+    if USE_PDL:
         x = _load_k_tile(x_rows, k_start + rk, k_end, m_ok, EVEN_K)
         acc = _accumulate(acc, w, x, USE_DOT, W_AS_A, FP16_OPERANDS, FP8_OPERANDS, X_PRESCALE, PRECISION)
         k_loop += BLOCK_K
@@ -167,23 +176,23 @@ def _gemv_kernel(
     if OUT_FACTOR != 1.0:
         acc = acc * OUT_FACTOR
     if FP8_OPERANDS:  # x's per-token scales: linear, so partial sums take them too
-        acc = acc * tl.load(xs_ptr + rm, mask=m_ok, other=0.0)[:, None]
+        acc = acc * x_scales[:, None]
     out_mask = m_ok[:, None] & n_ok[None, :]
     y = y_ptr + rm[:, None] * stride_ym + rn[None, :]
     if PARTIAL:  # parts [SPLITS, M, N], contiguous
         parts = parts_ptr + rm[:, None] * N + rn[None, :]
         tl.store(parts + pid_k * M * N, acc, mask=out_mask)
-        _sum_if_last_split(parts, M * N, scale_ptr, y, arrivals_ptr + pid_n, rn, n_ok, out_mask, SPLITS,
-                           HAS_SCALE, BLOCK_M, BLOCK_N)  # fmt: skip
+        _sum_if_last_split(parts, M * N, w_scales, y, arrivals_ptr + pid_n, out_mask, SPLITS, HAS_SCALE, BLOCK_M,
+                           BLOCK_N)  # fmt: skip
     else:
         if HAS_SCALE:
-            acc = acc * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
+            acc = acc * w_scales[None, :]
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
-def _sum_if_last_split(parts, split_stride, scale_ptr, y, arrivals, rn, n_ok, out_mask, SPLITS,
-                       HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+def _sum_if_last_split(parts, split_stride, w_scales, y, arrivals, out_mask, SPLITS, HAS_SCALE: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     """The last split of the N block to finish adds the block's partial sums in split order, scales and
     stores y."""
     if last_to_arrive(arrivals, SPLITS):
@@ -191,7 +200,7 @@ def _sum_if_last_split(parts, split_stride, scale_ptr, y, arrivals, rn, n_ok, ou
         for s in range(0, SPLITS):
             acc += tl.load(parts + s * split_stride, mask=out_mask, other=0.0, cache_modifier=".cg")
         if HAS_SCALE:
-            acc = acc * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
+            acc = acc * w_scales[None, :]
         tl.store(y, acc.to(y.dtype.element_ty), mask=out_mask)
 
 

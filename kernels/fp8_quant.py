@@ -125,8 +125,10 @@ def quantize_row_in_registers(x, codes_ptrs, mask, scale_ptr):
 
 @triton.jit
 def _quantize_rows_kernel(
-    x_ptr, codes_ptr, scales_ptr, K, stride_x, stride_codes, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr
-):
+    x_ptr, codes_ptr, scales_ptr, K, stride_x, stride_codes, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    wait_for_predecessor(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     codes_row = codes_ptr + row * stride_codes
@@ -193,7 +195,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         plan = row_plan(x.shape[1])
         _quantize_rows_kernel[(x.shape[0],)](
             x, codes, scales, x.shape[1], x.stride(0), codes.stride(0),
-            BLOCK=plan.block, ONE_PASS=plan.one_pass, num_warps=plan.num_warps,
+            BLOCK=plan.block, ONE_PASS=plan.one_pass, num_warps=plan.num_warps, **pdl_options(),
         )  # fmt: skip
     return codes, scales
 

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import FP8_DTYPE, next_power_of_2, pdl_options, release_then_wait
+from .common import FP8_DTYPE, next_power_of_2, pdl_options, wait_for_predecessor
 from .fp8_quant import quantize_row_in_registers
 
 
@@ -40,7 +40,7 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    release_then_wait(USE_PDL)
+    wait_for_predecessor(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     if FP8_OUT:  # see _codes_vector

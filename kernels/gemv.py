@@ -20,8 +20,8 @@ where N / BLOCK_N alone gives too few programs to fill the GPU.
 
 FP8 codes are exact in every float type, so the products are those of the dequantized weight (and, W8A8,
 x); the per-row scales of x multiply the float32 sums.
-Under programmatic dependent launch (common.set_pdl) each program loads its first weight tile before
-waiting for the kernel before it: weights depend on no kernel, so they stream in while that one ends.
+Under programmatic dependent launch (common.set_pdl) each program waits for the kernel before it first;
+its pipeline then requests its first stages of weights and x together.
 `pick_config` holds the configuration measured fastest per shape on the H200
 (scripts/gpu/bench_gemv.py); any explicit `GemvConfig` runs as given.
 """
@@ -147,25 +147,18 @@ def _gemv_kernel(
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    # The scales are read before the loop, not after it: a load after the loop is one more round trip to
-    # memory on the program's path, before its stores.
+    # Under PDL the wait comes first and the loop's own pipeline then requests its first stages (weights and
+    # x) together: a weight tile peeled off before the wait put the first x load and product, one more
+    # round trip, ahead of the pipeline's first requests. The scales are read before the loop, not after
+    # it: a load after the loop is one more round trip to memory on the program's path, before its stores.
     if HAS_SCALE:
         w_scales = tl.load(scale_ptr + rn, mask=n_ok, other=0.0)
     else:
         w_scales = tl.full((BLOCK_N,), 1.0, tl.float32)
-    k_loop = k_start
-    if USE_PDL:
-        # The weights do not depend on the kernel before this one: their first tile streams in while
-        # that kernel finishes. x does, so it waits. (Without PDL the loop's own pipelining is faster.)
-        w = _load_k_tile(w_rows, k_start + rk, k_end, n_ok, EVEN_K)
-        wait_for_predecessor(USE_PDL)
+    wait_for_predecessor(USE_PDL)
     if FP8_OPERANDS:  # x's per-token scales, written by the kernel before
         x_scales = tl.load(xs_ptr + rm, mask=m_ok, other=0.0)
-    if USE_PDL:
-        x = _load_k_tile(x_rows, k_start + rk, k_end, m_ok, EVEN_K)
-        acc = _accumulate(acc, w, x, USE_DOT, W_AS_A, FP16_OPERANDS, FP8_OPERANDS, X_PRESCALE, PRECISION)
-        k_loop += BLOCK_K
-    for k0 in range(k_loop, k_end, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         w = _load_k_tile(w_rows, k0 + rk, k_end, n_ok, EVEN_K)
         x = _load_k_tile(x_rows, k0 + rk, k_end, m_ok, EVEN_K)
         acc = _accumulate(acc, w, x, USE_DOT, W_AS_A, FP16_OPERANDS, FP8_OPERANDS, X_PRESCALE, PRECISION)

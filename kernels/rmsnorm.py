@@ -40,12 +40,15 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    wait_for_predecessor(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     if FP8_OUT:  # see _codes_vector
         offs = tl.max_contiguous(offs, CODES_VECTOR)
     mask = offs < n_cols
+    # The norm's weight is no kernel's output: under PDL it is read while the kernel before ends (from the
+    # HBM at decode: the weights streamed since its last read have evicted it from the L2).
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
+    wait_for_predecessor(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         x = (x + tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)).to(x.dtype)
@@ -53,7 +56,6 @@ def _rms_norm_kernel(
     x32 = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, 0) / n_cols + eps)
     normed = (x32 * rstd).to(x.dtype)
-    w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
     # Triton promotes the product as torch.promote_types(weight, x) does: it is rms_norm's output row.
     y = w * normed
     if FP8_OUT:  # out_ptr holds FP8 codes

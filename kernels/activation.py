@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .common import FP8_DTYPE, pdl_options, release_then_wait
+from .common import FP8_DTYPE, pdl_options, wait_for_predecessor
 from .fp8_quant import quantize_row_in_registers, quantize_rows_with_amax, row_plan, row_scale, store_codes
 
 BLOCK = 1024
@@ -46,7 +46,7 @@ def _silu_and_mul_kernel(
     x_ptr, out_ptr, amax_ptr, stride_x, stride_o, n_cols,
     AMAX_OUT: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    release_then_wait(USE_PDL)
+    wait_for_predecessor(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -69,7 +69,7 @@ def _silu_and_mul_fp8_kernel(
     ONE_PASS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    release_then_wait(USE_PDL)
+    wait_for_predecessor(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     codes_row = codes_ptr + row * stride_c

@@ -132,29 +132,3 @@ def wait_for_predecessor(USE_PDL: tl.constexpr):
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
-
-
-@triton.jit
-def pdl_wait(USE_PDL: tl.constexpr):
-    """Under PDL, wait until the previous kernel's memory is visible (the GEMV: its next kernel is let in
-    with pdl_release after its loop, so that kernel's programs take no SM while the weights stream)."""
-    if USE_PDL:
-        gdc_wait()
-
-
-@triton.jit
-def pdl_release(USE_PDL: tl.constexpr):
-    """Under PDL, let the next kernel's programs be scheduled."""
-    if USE_PDL:
-        gdc_launch_dependents()
-
-
-@triton.jit
-def release_then_wait(USE_PDL: tl.constexpr):
-    """Under PDL, let the next kernel's programs be scheduled at once, then wait for the previous kernel's
-    memory: for the small kernels between two GEMVs, launched at the end of the GEMV before (pdl_release),
-    so that the GEMV after streams its first weights while they run. Safe for any kernel that touches what
-    others write only after the wait: the next kernel's own wait lasts until this one has ended."""
-    if USE_PDL:
-        gdc_launch_dependents()
-        gdc_wait()

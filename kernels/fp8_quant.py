@@ -38,7 +38,7 @@ from .common import (
     check_rows,
     next_power_of_2,
     pdl_options,
-    release_then_wait,
+    wait_for_predecessor,
 )
 
 FP8_MAX = 448.0  # the largest finite e4m3 value; the cast alone does not saturate on the GPU
@@ -128,7 +128,7 @@ def _quantize_rows_kernel(
     x_ptr, codes_ptr, scales_ptr, K, stride_x, stride_codes, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    release_then_wait(USE_PDL)
+    wait_for_predecessor(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     codes_row = codes_ptr + row * stride_codes
@@ -154,7 +154,7 @@ def _quantize_pieces_kernel(
     x_ptr, amax_ptr, codes_ptr, scales_ptr, K, stride_x, stride_codes,
     PARTS: tl.constexpr, PARTS_BLOCK: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    release_then_wait(USE_PDL)
+    wait_for_predecessor(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     parts = tl.arange(0, PARTS_BLOCK)
     amax = tl.max(tl.load(amax_ptr + row * PARTS + parts, mask=parts < PARTS, other=0.0), axis=0)

@@ -42,8 +42,7 @@ from .common import (
     dot_precision,
     last_to_arrive,
     pdl_options,
-    pdl_release,
-    pdl_wait,
+    wait_for_predecessor,
 )
 
 MAX_M = 16
@@ -156,14 +155,13 @@ def _gemv_kernel(
         w_scales = tl.load(scale_ptr + rn, mask=n_ok, other=0.0)
     else:
         w_scales = tl.full((BLOCK_N,), 1.0, tl.float32)
-    pdl_wait(USE_PDL)
+    wait_for_predecessor(USE_PDL)
     if FP8_OPERANDS:  # x's per-token scales, written by the kernel before
         x_scales = tl.load(xs_ptr + rm, mask=m_ok, other=0.0)
     for k0 in range(k_start, k_end, BLOCK_K):
         w = _load_k_tile(w_rows, k0 + rk, k_end, n_ok, EVEN_K)
         x = _load_k_tile(x_rows, k0 + rk, k_end, m_ok, EVEN_K)
         acc = _accumulate(acc, w, x, USE_DOT, W_AS_A, FP16_OPERANDS, FP8_OPERANDS, X_PRESCALE, PRECISION)
-    pdl_release(USE_PDL)  # the next kernel's programs come in during this one's sums and stores
     if not USE_DOT:
         acc = tl.sum(acc, axis=2)
     elif W_AS_A:

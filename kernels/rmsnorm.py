@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import FP8_DTYPE, next_power_of_2, pdl_options, release_then_wait
+from .common import FP8_DTYPE, next_power_of_2, pdl_options, wait_for_predecessor
 from .fp8_quant import quantize_row_in_registers
 
 
@@ -48,7 +48,7 @@ def _rms_norm_kernel(
     # The norm's weight is no kernel's output: under PDL it is read while the kernel before ends (from the
     # HBM at decode: the weights streamed since its last read have evicted it from the L2).
     w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
-    release_then_wait(USE_PDL)
+    wait_for_predecessor(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         x = (x + tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)).to(x.dtype)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Batch-1 decode (graph replay) of the 8B model, dummy weights, triton backend, bf16 and FP8 weights, run
+# Batch-1 decode (BATCH=N for another batch; graph replay) of the 8B model, dummy weights, triton backend, bf16 and FP8 weights, run
 # alternately with older trees and this one on the same machine: H200s differ by more than some changes
 # (docs/benchmarks.md), so a change is judged side by side.
 #
@@ -20,7 +20,7 @@ for tree in "${TREES[@]}"; do
   ln -sfn "$(realpath "$tree")/kernels" "/tmp/ab_k_$(name "$tree")/tokenspeed_kernels"
 done
 ARGS="--model configs/models/llama-3.1-8b --load-format dummy --dtype bfloat16 --attention-backend triton
-  --batch-size 1 --input-len 512 --output-len 128"
+  --batch-size ${BATCH:-1} --input-len 512 --output-len 128"
 one() {  # one TREE_DIR RUN_NAME [flags]: the graph replay ms, or "failed"
   local dir=$1 run=$2 kernels=/tmp/ab_k_$(name "$1"); shift 2
   rm -f "/tmp/ab_$run.json"  # a failed run must not report an earlier call's figure

@@ -100,15 +100,19 @@ def _norm_rows(
             x2, res2, weight, out, scales if scales is not None else out, x2.stride(0), res2.stride(0),
             out.stride(0), x2.shape[1], eps, HAS_RESIDUAL=residual is not None, FP8_OUT=scales is not None,
             CODES_VECTOR=_codes_vector(x, weight), BLOCK=next_power_of_2(x2.shape[1]),
-            num_warps=_num_warps(x2.shape[1]), **pdl_options(),
+            num_warps=_num_warps(x2.shape[0], x2.shape[1]), **pdl_options(),
         )  # fmt: skip
 
 
-def _num_warps(width: int) -> int:
-    """About 8 elements a thread (one 16-byte load of 16-bit x), 4 to 16 warps: at decode one program
-    holds the row, so its latency is the step's. At the 8B model's 4096, 16 warps against the default 4:
-    FP8 batch-1 decode 1.4% faster on the H200 (8 warps: 1.0%), bf16 unchanged (docs/benchmarks.md)."""
-    return min(16, max(4, next_power_of_2(width) // 256))
+# Up to this many rows each program's latency is the kernel's (fewer programs than SMs): _num_warps.
+FEW_ROWS = 64
+
+
+def _num_warps(rows: int, width: int) -> int:
+    """For a few rows about 8 elements a thread (one 16-byte load of 16-bit x), 4 to 16 warps, else 4.
+    On the H200 at the 8B model's 4096, side by side with 4 warps: FP8 decode 1.4% faster at batch 1
+    (8 warps: 1.0%), 0.4% slower at 256; bf16 unchanged at both (docs/benchmarks.md)."""
+    return min(16, max(4, next_power_of_2(width) // 256)) if rows <= FEW_ROWS else 4
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:

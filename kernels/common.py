@@ -128,7 +128,8 @@ def pdl_options() -> dict[str, bool]:
 def wait_for_predecessor(USE_PDL: tl.constexpr):
     """Under PDL, wait until the previous kernel's memory is visible, then let the next kernel's programs
     be scheduled. A kernel's first statement, or after loads of what no kernel writes (the GEMV's
-    weights): no read-after-write nor write-after-read race on anything a kernel produces."""
+    weight scales, the norm's weight): no read-after-write nor write-after-read race on anything a kernel
+    produces."""
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()

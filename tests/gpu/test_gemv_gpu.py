@@ -90,12 +90,13 @@ def test_linear_gives_torch_linear_numbers(m: int) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability(CUDA) < (9, 0),
                     reason="programmatic dependent launch needs compute capability 9.0")
-@pytest.mark.parametrize("kind", ["bf16", "fp8", "w8a8", "w8a8 split 4"])
+@pytest.mark.parametrize("kind", ["bf16", "fp8", "w8a8", "w8a8 split 4", "w8a8 after quantize_rows"])
 def test_gemv_after_a_norm_under_pdl_in_a_graph_gives_the_plain_numbers(kind: str) -> None:
-    """The GEMV loads its first weight tile before waiting for the kernel before it (the norm that writes
-    its x, or x's codes and scales for W8A8): replayed in a graph, PDL on must give the plain launches'
-    bits."""
+    """The GEMV reads its weight scales before waiting for the kernel before it (the norm that writes its
+    x, or x's codes and scales for W8A8; or quantize_rows, o_proj's producer), and the norm its weight:
+    replayed in a graph, PDL on must give the plain launches' bits."""
     from tokenspeed_kernels.common import set_pdl
+    from tokenspeed_kernels.fp8_quant import quantize_rows as quantize_rows_kernel
     from tokenspeed_kernels.rmsnorm import rms_norm, rms_norm_fp8
 
     gen = torch.Generator(device=CUDA).manual_seed(7)
@@ -110,6 +111,9 @@ def test_gemv_after_a_norm_under_pdl_in_a_graph_gives_the_plain_numbers(kind: st
     hidden = torch.zeros(1, 4096, device=CUDA, dtype=torch.bfloat16)
 
     def norm_then_gemv() -> torch.Tensor:
+        if kind.endswith("quantize_rows"):
+            codes, scales = quantize_rows_kernel(hidden)
+            return gemv(codes, w, scale, cfg, scales, torch.bfloat16)
         if w8a8:
             codes, scales = rms_norm_fp8(hidden, norm_weight, 1e-5)
             return gemv(codes, w, scale, cfg, scales, torch.bfloat16)

@@ -29,7 +29,7 @@ from .common import (
     pdl_options,
     wait_for_predecessor,
 )
-from .gemv import MAX_M, _accumulate, _check, _load_k_tile
+from .gemv import MAX_M, accumulate_tile, check_operands, load_k_tile
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,13 @@ class StreamKConfig:
 def _owner(unit, PROGRAMS, TOTAL):
     """The program whose run of units holds unit: the last p with p * TOTAL // PROGRAMS <= unit."""
     return ((unit + 1) * PROGRAMS - 1) // TOTAL
+
+
+@triton.jit
+def _sharing(n_block, K_CHUNKS, PROGRAMS, TOTAL):
+    """The first program holding units of the N block, and how many programs do (1: held whole)."""
+    first_owner = _owner(n_block * K_CHUNKS, PROGRAMS, TOTAL)
+    return first_owner, _owner(n_block * K_CHUNKS + K_CHUNKS - 1, PROGRAMS, TOTAL) - first_owner + 1
 
 
 @triton.jit
@@ -68,8 +75,6 @@ def _stream_k_kernel(
     wait_for_predecessor(USE_PDL)
     if FP8_OPERANDS:  # x's per-token scales: linear, so partial sums take them too
         x_scales = tl.load(xs_ptr + rm, mask=m_ok, other=0.0)
-    else:
-        x_scales = tl.full((BLOCK_M,), 1.0, tl.float32)
     if W_AS_A:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
@@ -80,13 +85,15 @@ def _stream_k_kernel(
         rn = n_block * BLOCK_N + rb
         n_ok = rn < N
         kk = chunk * BLOCK_K + rk
-        w = _load_k_tile(w_ptr + rn[:, None].to(tl.int64) * stride_wn, kk, K, n_ok, EVEN_K)
-        x = _load_k_tile(x_rows, kk, K, m_ok, EVEN_K)
-        acc = _accumulate(acc, w, x, True, W_AS_A, False, FP8_OPERANDS, False, PRECISION)
+        w = load_k_tile(w_ptr + rn[:, None].to(tl.int64) * stride_wn, kk, K, n_ok, EVEN_K)
+        x = load_k_tile(x_rows, kk, K, m_ok, EVEN_K)
+        acc = accumulate_tile(acc, w, x, True, W_AS_A, False, FP8_OPERANDS, False, PRECISION)
         if (chunk == K_CHUNKS - 1) | (unit == last - 1):  # the end of this program's part of the N block
-            out = (tl.trans(acc) if W_AS_A else acc) * x_scales[:, None]
-            first_owner = _owner(n_block * K_CHUNKS, PROGRAMS, TOTAL)
-            if _owner(n_block * K_CHUNKS + K_CHUNKS - 1, PROGRAMS, TOTAL) == first_owner:  # held whole
+            out = tl.trans(acc) if W_AS_A else acc
+            if FP8_OPERANDS:
+                out = out * x_scales[:, None]
+            first_owner, sharers = _sharing(n_block, K_CHUNKS, PROGRAMS, TOTAL)
+            if sharers == 1:
                 _store_scaled(out, rm, rn, m_ok, n_ok, scale_ptr, y_ptr, stride_ym, HAS_SCALE)
             else:  # shared: partial sums, added after the loop (an atomic in it stops its pipelining)
                 tl.store(_block_parts(parts_ptr, n_block, rm, rb, MAX_SHARERS, BLOCK_M, BLOCK_N)
@@ -123,8 +130,7 @@ def _sum_if_last_sharer(n_block, rm, rb, m_ok, N, K_CHUNKS, TOTAL, PROGRAMS, sca
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     """If the N block is shared, count this program in; the last of its programs to finish adds their
     partial sums in program order, scales and stores y."""
-    first_owner = _owner(n_block * K_CHUNKS, PROGRAMS, TOTAL)
-    sharers = _owner(n_block * K_CHUNKS + K_CHUNKS - 1, PROGRAMS, TOTAL) - first_owner + 1
+    _, sharers = _sharing(n_block, K_CHUNKS, PROGRAMS, TOTAL)
     if sharers > 1:
         if last_to_arrive(arrivals_ptr + n_block, sharers):
             parts = _block_parts(parts_ptr, n_block, rm, rb, MAX_SHARERS, BLOCK_M, BLOCK_N)
@@ -161,7 +167,7 @@ def gemv_stream_k(
         x = x.contiguous()
     m, k = x.shape
     n = weight.shape[0]
-    _check(x, weight, scale, m, k, n, x_scale, out_dtype)
+    check_operands(x, weight, scale, m, k, n, x_scale, out_dtype)
     fp8_x = x.dtype == FP8_DTYPE
     if (weight.dtype == FP8_DTYPE) != fp8_x or config.programs < 1:
         raise ValueError(f"gemv_stream_k runs 16-bit x with 16-bit weights or FP8 with FP8 on >= 1 programs, "

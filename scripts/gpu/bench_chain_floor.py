@@ -30,6 +30,7 @@ from tokenspeed_kernels.common import pdl_options, wait_for_predecessor  # noqa:
 from tokenspeed_kernels.gemv import gemv, pick_config  # noqa: E402
 
 from scripts.gpu.bench_gemv import SHAPES, time_ms  # noqa: E402
+from scripts.gpu.bench_gemv_chain import fp8_weights  # noqa: E402
 
 DEV = torch.device("cuda")
 CHAIN = 64
@@ -52,10 +53,7 @@ def chain_us(programs: int, pdl: bool) -> float:
 def gemv_us(n: int, k: int, rotate: bool, gen: torch.Generator) -> float:
     """GEMVS (tiny kernel, GEMV) pairs in a graph under PDL; us a pair."""
     copies = GEMVS if rotate else 1
-    weights = []
-    for _ in range(copies):
-        codes, scales = fp8_quant.quantize_rows(torch.randn(n, k, generator=gen, device=DEV) * 0.02)
-        weights.append((codes, scales.view(-1)))
+    weights = fp8_weights(n, k, copies, gen)
     x, xs = fp8_quant.quantize_rows(torch.randn(1, k, generator=gen, device=DEV))
     cfg = pick_config(1, n, k, torch.float8_e4m3fn, fp8_x=True)
     flag = torch.zeros(1, device=DEV)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import replace
@@ -62,6 +63,24 @@ def producer(name: str, k: int, gen: torch.Generator) -> Callable[[], tuple[torc
     return lambda: rmsnorm.add_rms_norm_fp8(x, residual, weight, 1e-5)
 
 
+def fp8_weights(n: int, k: int, copies: int, gen: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """copies [n, k] weights as FP8 codes with their per-channel scales [n]."""
+    weights = []
+    for _ in range(copies):
+        codes, scales = fp8_quant.quantize_rows(torch.randn(n, k, generator=gen, device=DEV) * 0.02)
+        weights.append((codes, scales.view(-1)))
+    return weights
+
+
+def print_fastest(report: dict[str, dict]) -> None:
+    """Per layer the table's pair and the three fastest of report[layer]["us"] ({configuration: us})."""
+    print("| layer | table, us a pair | fastest | us | x table |\n|---|---|---|---|---|")
+    for name, r in report.items():
+        for cfg, us in sorted(r["us"].items(), key=lambda item: item[1])[:3]:
+            short = re.sub(r"^\w+Config\(|\)$", "", cfg).replace("use_dot=True, ", "")
+            print(f"| {name} | {r['table_us']:.2f} | {short} | {us:.2f} | {us / r['table_us']:.3f} |")
+
+
 def pair_us(make_input: Callable, weights: list, cfg: GemvConfig) -> float:
     def pair(i: int) -> None:
         codes, scales = make_input()
@@ -74,13 +93,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path)
     parser.add_argument("--stages", action="store_true",
-                        help="the table's tiles at 2 to 8 pipeline stages and 1 to 8 splits instead of the sweep")
+                        help="the table's tiles at 2 to 8 stages and 1 to 8 splits instead of the sweep")
     args = parser.parse_args()
     gen = torch.Generator(device=DEV).manual_seed(0)
     report = {}
     for name, (n, k) in SHAPES.items():
-        weights = [fp8_quant.quantize_rows(torch.randn(n, k, generator=gen, device=DEV) * 0.02) for _ in range(PAIRS)]
-        weights = [(w, s.view(-1)) for w, s in weights]
+        weights = fp8_weights(n, k, PAIRS, gen)
         make_input = producer(name, k, gen)
         table = pick_config(1, n, k, torch.float8_e4m3fn, fp8_x=True)
         times = {}
@@ -95,11 +113,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
-    print("| layer | table config, us a pair | fastest | us | x table |\n|---|---|---|---|---|")
-    for name, r in report.items():
-        for cfg, us in sorted(r["us"].items(), key=lambda item: item[1])[:3]:
-            short = cfg.replace("GemvConfig(", "").replace(")", "").replace("use_dot=True, ", "")
-            print(f"| {name} | {r['table_us']:.2f} | {short} | {us:.2f} | {us / r['table_us']:.3f} |")
+    print_fastest(report)
 
 
 if __name__ == "__main__":

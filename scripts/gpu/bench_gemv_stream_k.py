@@ -22,12 +22,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
-from tokenspeed_kernels import fp8_quant  # noqa: E402
 from tokenspeed_kernels.gemv import gemv, pick_config  # noqa: E402
 from tokenspeed_kernels.gemv_stream_k import StreamKConfig, gemv_stream_k  # noqa: E402
 
 from scripts.gpu.bench_gemv import SHAPES, time_ms  # noqa: E402
-from scripts.gpu.bench_gemv_chain import DEV, PAIRS, producer  # noqa: E402
+from scripts.gpu.bench_gemv_chain import (  # noqa: E402
+    DEV,
+    PAIRS,
+    fp8_weights,
+    pair_us,
+    print_fastest,
+    producer,
+)
 from tests.support.numerics import relative_error  # noqa: E402
 
 
@@ -40,18 +46,12 @@ def sweep() -> list[StreamKConfig]:
 
 def measure_layer(name: str, n: int, k: int, gen: torch.Generator) -> dict:
     """The table's pair and every stream-K configuration's, in us, on PAIRS weights of one layer."""
-    weights = [fp8_quant.quantize_rows(torch.randn(n, k, generator=gen, device=DEV) * 0.02) for _ in range(PAIRS)]
-    weights = [(w, s.view(-1)) for w, s in weights]
+    weights = fp8_weights(n, k, PAIRS, gen)
     make_input = producer(name, k, gen)
     table = pick_config(1, n, k, torch.float8_e4m3fn, fp8_x=True)
     codes, scales = make_input()
     want = gemv(codes, weights[0][0], weights[0][1], table, scales, torch.bfloat16)
-
-    def table_pair(i: int) -> None:
-        codes, scales = make_input()
-        gemv(codes, weights[i][0], weights[i][1], table, scales, torch.bfloat16)
-
-    row = {"table": str(table), "table_us": time_ms(table_pair, PAIRS, pdl=True) * 1e3, "stream_k_us": {}}
+    row = {"table": str(table), "table_us": pair_us(make_input, weights, table), "us": {}}
     for cfg in sweep():
         try:
             got = gemv_stream_k(codes, weights[0][0], cfg, weights[0][1], scales, torch.bfloat16)
@@ -64,7 +64,7 @@ def measure_layer(name: str, n: int, k: int, gen: torch.Generator) -> dict:
                 codes, scales = make_input()
                 gemv_stream_k(codes, weights[i][0], cfg, weights[i][1], scales, torch.bfloat16)
 
-            row["stream_k_us"][str(cfg)] = time_ms(pair, PAIRS, pdl=True) * 1e3
+            row["us"][str(cfg)] = time_ms(pair, PAIRS, pdl=True) * 1e3
         except Exception as exc:  # noqa: BLE001 - a configuration the compiler refuses is left out
             print(f"{name} {cfg}: {type(exc).__name__}", file=sys.stderr)
     return row
@@ -81,11 +81,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
-    print("| layer | table, us a pair | stream-K configuration | us | x table |\n|---|---|---|---|---|")
-    for name, r in report.items():
-        for cfg, us in sorted(r["stream_k_us"].items(), key=lambda item: item[1])[:3]:
-            short = cfg.replace("StreamKConfig(", "").replace(")", "")
-            print(f"| {name} | {r['table_us']:.2f} | {short} | {us:.2f} | {us / r['table_us']:.3f} |")
+    print_fastest(report)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Batch-1 decode (BATCH=N for another batch; graph replay) of the 8B model, dummy weights, triton backend, bf16 and FP8 weights, run
-# alternately with older trees and this one on the same machine: H200s differ by more than some changes
-# (docs/benchmarks.md), so a change is judged side by side.
+# Batch-1 decode (BATCH=N for another batch; graph replay) of the 8B model, dummy weights, triton backend,
+# bf16 and FP8 weights, run alternately with older trees and this one on the same machine: H200s differ by
+# more than some changes (docs/benchmarks.md), so a change is judged side by side.
 #
 #   git archive <commit> app kernels scripts configs | (mkdir -p ab_old && tar -x -C ab_old)   # here
 #   bash scripts/gpu/ab_latency.sh ab_old [ROUNDS [OTHER_TREE ...]]                            # on the device

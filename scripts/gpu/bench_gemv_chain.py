@@ -3,11 +3,11 @@
 kernel that makes their input, under programmatic dependent launch, in a CUDA graph.
 
 bench_gemv.py times each GEMV alone, without PDL. In the step every GEMV follows a small kernel (the
-RMSNorm before qkv and gate_up, quantize_rows before o, SiLU-and-mul before down) and, under PDL, loads
-its first weight tile while that kernel runs, so a configuration's ramp and tail weigh differently.
+RMSNorm before qkv and gate_up, quantize_rows before o, SiLU-and-mul before down) and, under PDL, is
+scheduled while that kernel runs, so a configuration's ramp and tail weigh differently.
 Here: 8 (producer, GEMV) pairs over 8 weights (rotated past the L2) per graph, each of bench_gemv's W8A8
-tiles at splits 1, 2, 4 and 8; the median of 10 replays (bench_gemv's time_ms), in us a pair. Prints, per layer, the table's
-configuration (kernels/gemv.py's _MEASURED) and the fastest ones.
+tiles at splits 1, 2, 4 and 8; the median of 10 replays (bench_gemv's time_ms), in us a pair. Prints, per
+layer, the table's configuration (kernels/gemv.py's _MEASURED) and the fastest ones.
 
   python scripts/gpu/bench_gemv_chain.py [--json OUT]
 """

@@ -69,7 +69,7 @@ def test_programmatic_dependent_launch_gives_the_same_tokens(model_dir: Path, pr
     """Kernels launched with PDL (--enable-pdl, the default on Hopper), graphs captured with it, pipelined:
     the tokens of the plain launches. Each kernel waits for its predecessor before touching what that one
     writes, so a wrong placement shows as a race here. FP8 weights run every decode linear through the
-    GEMV, whose first weight tile loads before the wait."""
+    GEMV, whose weight scales load before the wait (as the norm's weight does)."""
     runner = cuda_runner(model_dir, enable_pdl=False, **precision)
     assert not runner.pdl
     reference = run_plain(runner, plans_for(runner))

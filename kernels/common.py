@@ -127,9 +127,9 @@ def pdl_options() -> dict[str, bool]:
 @triton.jit
 def wait_for_predecessor(USE_PDL: tl.constexpr):
     """Under PDL, wait until the previous kernel's memory is visible, then let the next kernel's programs
-    be scheduled. A kernel's first statement, or after loads of what no kernel writes (the GEMV's
-    weight scales, the norm's weight): no read-after-write nor write-after-read race on anything a kernel
-    produces."""
+    be scheduled. A kernel's first statement, or after loads of what the kernel before it does not
+    write: weights and scales, the step's inputs (positions, slots, block tables). Every kernel lets the
+    next one in only after its own wait, so when a kernel starts, all but the one before it have ended."""
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()

@@ -74,14 +74,19 @@ def _rotary_kernel(
     """Program (t, j): token t's heads j * BLOCK_H + [0, BLOCK_H) of q's heads followed by k's (a head
     h >= num_q_heads is KV head h - num_q_heads: rotate k; with WRITE_KV, then write k and v into the
     token's cache slot). Rotated q heads go to q_out (q itself for in place)."""
-    wait_for_predecessor(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    # The token's position, its cos / sin and its cache slot are the step's inputs, not the output of the
+    # kernel before (the QKV projection): under PDL they are read while that kernel ends (a position, then
+    # the tables at it: two round trips to memory off the path after the wait).
     pos = tl.load(pos_ptr + t).to(tl.int64)
     offs = tl.arange(0, BLOCK_HALF)
     d_mask = offs < HALF
     cos = tl.load(cos_ptr + pos * stride_table + offs, mask=d_mask, other=0.0)[None, :]
     sin = tl.load(sin_ptr + pos * stride_table + offs, mask=d_mask, other=0.0)[None, :]
+    if WRITE_KV:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+    wait_for_predecessor(USE_PDL)
     is_q = heads < num_q_heads
     kv_head = heads - num_q_heads
     k_row = k_ptr + t * stride_k + kv_head * (2 * HALF)
@@ -98,7 +103,7 @@ def _rotary_kernel(
     if WRITE_KV and (tl.program_id(1) + 1) * BLOCK_H > num_q_heads:
         kv_mask = mask & ~is_q[:, None]
         head = tl.where(is_q, 0, kv_head)[:, None] * (2 * HALF) + offs[None, :]
-        dst = tl.load(slot_ptr + t).to(tl.int64) * ROW + head
+        dst = slot * ROW + head
         v = v_ptr + t * stride_v + head
         store_cache_rows(k_cache_ptr + dst, o1, k_scale, kv_mask, FP8)
         store_cache_rows(k_cache_ptr + dst + HALF, o2, k_scale, kv_mask, FP8)

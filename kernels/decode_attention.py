@@ -71,14 +71,19 @@ def _decode_split_kernel(
     WHOLE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    wait_for_predecessor(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    # The sequence's length and block table are the step's inputs, not the output of the kernel before
+    # (the rotary one, which writes q and the new token's K/V): under PDL they are read while it ends (a
+    # length, then the first tile's pages: two round trips to memory off the path after the wait).
     seq_len = tl.load(seq_lens_ptr + b)
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
+    tile_pos = start + tl.arange(0, BLOCK_N)
+    page = tl.load(block_tables_ptr + b * stride_bt + tile_pos // PAGE, mask=tile_pos < end, other=0)
+    wait_for_predecessor(USE_PDL)
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, BLOCK_D)
@@ -97,8 +102,9 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < end
-        page = tl.load(block_tables_ptr + b * stride_bt + pos // PAGE, mask=valid, other=0)
         slot = page.to(tl.int64) * PAGE + pos % PAGE
+        next_pos = pos + BLOCK_N  # the next tile's pages, requested ahead of this tile's products
+        page = tl.load(block_tables_ptr + b * stride_bt + next_pos // PAGE, mask=next_pos < end, other=0)
         kv_off = slot[:, None] * row + kvh * HEAD_DIM + offs_d[None, :]
         kv_mask = valid[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)

@@ -87,7 +87,7 @@ class GemvConfig:
 
 
 @triton.jit
-def load_k_tile(rows, kk, k_end, row_ok, EVEN_K: tl.constexpr):
+def _load_k_tile(rows, kk, k_end, row_ok, EVEN_K: tl.constexpr):
     """rows[:, kk] of the rows that exist (zeros elsewhere): a weight or an activation tile."""
     if EVEN_K:  # no K mask: keeps the loads vectorised
         tile = tl.load(rows + kk[None, :], mask=row_ok[:, None], other=0.0)
@@ -97,8 +97,8 @@ def load_k_tile(rows, kk, k_end, row_ok, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def accumulate_tile(acc, w, x, USE_DOT: tl.constexpr, W_AS_A: tl.constexpr, FP16_OPERANDS: tl.constexpr,
-                    FP8_OPERANDS: tl.constexpr, X_PRESCALE: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+def _accumulate(acc, w, x, USE_DOT: tl.constexpr, W_AS_A: tl.constexpr, FP16_OPERANDS: tl.constexpr,
+                FP8_OPERANDS: tl.constexpr, X_PRESCALE: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     """acc += the tile's products: [BLOCK_M, BLOCK_N] (DOT; transposed with W_AS_A) or, FMA, the
     elementwise products [BLOCK_M, BLOCK_N, BLOCK_K] summed over K once at the end."""
     if USE_DOT:
@@ -159,9 +159,9 @@ def _gemv_kernel(
     if FP8_OPERANDS:  # x's per-token scales, written by the kernel before
         x_scales = tl.load(xs_ptr + rm, mask=m_ok, other=0.0)
     for k0 in range(k_start, k_end, BLOCK_K):
-        w = load_k_tile(w_rows, k0 + rk, k_end, n_ok, EVEN_K)
-        x = load_k_tile(x_rows, k0 + rk, k_end, m_ok, EVEN_K)
-        acc = accumulate_tile(acc, w, x, USE_DOT, W_AS_A, FP16_OPERANDS, FP8_OPERANDS, X_PRESCALE, PRECISION)
+        w = _load_k_tile(w_rows, k0 + rk, k_end, n_ok, EVEN_K)
+        x = _load_k_tile(x_rows, k0 + rk, k_end, m_ok, EVEN_K)
+        acc = _accumulate(acc, w, x, USE_DOT, W_AS_A, FP16_OPERANDS, FP8_OPERANDS, X_PRESCALE, PRECISION)
     if not USE_DOT:
         acc = tl.sum(acc, axis=2)
     elif W_AS_A:
@@ -274,7 +274,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
         x = x.contiguous()
     m, k = x.shape
     n = weight.shape[0]
-    check_operands(x, weight, scale, m, k, n, x_scale, out_dtype)
+    _check(x, weight, scale, m, k, n, x_scale, out_dtype)
     cfg = config or pick_config(m, n, k, weight.dtype, fp8_x=x.dtype == FP8_DTYPE)
     if config is None and cfg.fp16_operands and x.dtype == torch.float32:
         cfg = replace(cfg, fp16_operands=False)  # float32 x keeps its precision
@@ -307,9 +307,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     return y
 
 
-def check_operands(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, m: int, k: int, n: int,
-                   x_scale: torch.Tensor | None, out_dtype: torch.dtype | None) -> None:  # fmt: skip
-    """What gemv (and gemv_stream_k) serve: 1 to MAX_M rows, a 2-D weight of its dtypes with scales for
+def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, m: int, k: int, n: int,
+           x_scale: torch.Tensor | None, out_dtype: torch.dtype | None) -> None:  # fmt: skip
+    """What gemv serves: 1 to MAX_M rows, a 2-D weight of its dtypes with scales for
     FP8 codes, x's row scales with FP8 x only."""
     if not 1 <= m <= MAX_M:
         raise ValueError(f"gemv serves 1 to {MAX_M} rows, got {m}")

@@ -76,32 +76,6 @@ def test_w8a8_gemv_in_bf16_matches_float64(n: int, k: int, m: int, config: int) 
     assert relative_error(got, want) < 1e-2
 
 
-STREAM_K_CONFIGS = [(64, 256, 132, 4), (128, 128, 264, 3), (64, 512, 7, 3)]  # (block_n, block_k, programs, stages)
-
-
-@pytest.mark.parametrize(("n", "k"), SHAPES)
-@pytest.mark.parametrize("m", [1, 3, 16])
-@pytest.mark.parametrize("config", STREAM_K_CONFIGS)
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "w8a8"])
-def test_stream_k_gemv_in_bf16_matches_float64(n: int, k: int, m: int, config: tuple, fp8: bool) -> None:
-    """kernels/gemv_stream_k.py: bf16 x and weights, or FP8 codes times FP8 codes."""
-    from tokenspeed_kernels.gemv_stream_k import StreamKConfig, gemv_stream_k
-
-    block_n, block_k, programs, stages = config
-    cfg = StreamKConfig(block_n, block_k, programs, num_stages=stages)
-    gen = torch.Generator(device=CUDA).manual_seed(n + m)
-    w = torch.randn(n, k, generator=gen, device=CUDA) * 0.02
-    x = torch.randn(m, k, generator=gen, device=CUDA).to(torch.bfloat16)
-    if fp8:
-        (w, scale), (x, x_scale) = quantize_rows(w), quantize_rows(x)
-        got = gemv_stream_k(x, w, cfg, scale.view(-1), x_scale, torch.bfloat16)
-        want = gemv_reference(x, w, scale.view(-1), x_scale, torch.bfloat16)
-    else:
-        w = w.to(torch.bfloat16)
-        got, want = gemv_stream_k(x, w, cfg), gemv_reference(x, w)
-    assert relative_error(got, want) < 1e-2
-
-
 @pytest.mark.parametrize("m", [1, 4, 8, 16, 17])
 def test_linear_gives_torch_linear_numbers(m: int) -> None:
     torch.manual_seed(m)

@@ -170,21 +170,7 @@ def gemv_cases(gemv) -> list[tuple[str, Callable[[], object]]]:  # noqa: ANN001
                         out.append((f"gemv {weight_dtype} x {x_dtype} m={m} {config}",
                                     lambda x=x, w=w, s=scale, c=config: gemv.gemv(x, w, s, c)))  # fmt: skip
                         break  # one row count a configuration: BLOCK_M is all that varies (FMA: 1 to 4)
-    return out + w8a8_gemv_cases(gemv) + stream_k_cases()
-
-
-def stream_k_cases() -> list[tuple[str, Callable[[], object]]]:
-    """The stream-K GEMV (an experiment): W8A8 and 16-bit, N blocks shared by several programs."""
-    from tokenspeed_kernels.gemv_stream_k import StreamKConfig, gemv_stream_k
-
-    n, k = 512, 1024
-    config = StreamKConfig(block_n=64, block_k=256, programs=20)
-    x8, x_scale, w8, scale = torch.zeros(1, k).to(FP8), torch.ones(1, 1), torch.zeros(n, k).to(FP8), torch.ones(n)
-    out = [(f"gemv_stream_k {FP8} {config}", lambda: gemv_stream_k(x8, w8, config, scale, x_scale, torch.bfloat16))]
-    for dtype in HALF_TYPES:
-        x, w = torch.zeros(1, k, dtype=dtype), torch.zeros(n, k, dtype=dtype)
-        out.append((f"gemv_stream_k {dtype} {config}", lambda x=x, w=w: gemv_stream_k(x, w, config)))
-    return out
+    return out + w8a8_gemv_cases(gemv)
 
 
 def w8a8_gemv_cases(gemv) -> list[tuple[str, Callable[[], object]]]:  # noqa: ANN001

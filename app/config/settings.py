@@ -304,7 +304,8 @@ class Settings(BaseSettings):
         "--enforce-eager; with tensor parallelism prefills run eagerly.", APPLIANCE, origin="appliance", ge=0)
     enable_pdl: bool = _f(
         True, "Launch the decode-path Triton kernels with programmatic dependent launch (each one's programs "
-        "are scheduled while the kernel before it finishes; the GEMV's weights start streaming then). Takes "
+        "are scheduled while the kernel before it finishes, and read meanwhile what no kernel writes: weight "
+        "scales, positions, page tables). Takes "
         "effect on one GPU of compute capability 9.0 or newer (Hopper); elsewhere the kernels launch "
         "plainly.", APPLIANCE, origin="appliance")
     heartbeat_timeout: float = _f(

@@ -74,16 +74,16 @@ def _decode_split_kernel(
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    # The sequence's length and block table are the step's inputs, not the output of the kernel before
-    # (the rotary one, which writes q and the new token's K/V): under PDL they are read while it ends (a
-    # length, then the first tile's pages: two round trips to memory off the path after the wait).
+    # The sequence's length is the step's input, not the output of the kernel before (the rotary one,
+    # which writes q and the new token's K/V): under PDL it is read while that kernel ends. The pages stay
+    # in the loop, where the pipeliner requests them stages ahead with the K/V tiles: read before the wait
+    # and carried from one iteration to the next, they were no longer pipelined (sm_90 TTGIR), and the
+    # step measured 3% slower at batch 64 (docs/benchmarks.md, session 15).
     seq_len = tl.load(seq_lens_ptr + b)
+    wait_for_predecessor(USE_PDL)
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
-    tile_pos = start + tl.arange(0, BLOCK_N)
-    page = tl.load(block_tables_ptr + b * stride_bt + tile_pos // PAGE, mask=tile_pos < end, other=0)
-    wait_for_predecessor(USE_PDL)
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, BLOCK_D)
@@ -102,9 +102,8 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < end
+        page = tl.load(block_tables_ptr + b * stride_bt + pos // PAGE, mask=valid, other=0)
         slot = page.to(tl.int64) * PAGE + pos % PAGE
-        next_pos = pos + BLOCK_N  # the next tile's pages, requested ahead of this tile's products
-        page = tl.load(block_tables_ptr + b * stride_bt + next_pos // PAGE, mask=next_pos < end, other=0)
         kv_off = slot[:, None] * row + kvh * HEAD_DIM + offs_d[None, :]
         kv_mask = valid[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)

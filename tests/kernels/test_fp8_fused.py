@@ -281,30 +281,20 @@ def sum_of_squares_ir(ttgir: str) -> str:
 def compare_norm_ir() -> int:
     """Run in a fresh process: compiles rms_norm and rms_norm_fp8 (or the add_ forms) of each IR_CASES for
     sm_90 through compile_kernels' stand-in driver; prints the cases whose sums differ, returns their count."""
-    import triton.runtime.jit as jit
-    from triton.runtime import driver
+    from tests.support.compile_kernels import compile_for
 
-    from tests.support.compile_kernels import StandInDriver
-
-    compiled = []
-    run = jit.JITFunction.run
-
-    def compile_only(self, *args, grid, warmup, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-        compiled.append(run(self, *args, grid=grid, warmup=True, **kwargs))
-        return compiled[-1]
-
-    jit.JITFunction.run = compile_only
-    driver.set_active(StandInDriver(90))
-    differ = 0
-    for x_dtype, w_dtype, k, residual in IR_CASES:
-        x, w = torch.zeros(2, k, dtype=getattr(torch, x_dtype)), torch.zeros(k, dtype=getattr(torch, w_dtype))
-        compiled.clear()
+    def norms(x: torch.Tensor, w: torch.Tensor, residual: bool) -> None:
         if residual:
             add_rms_norm(x, x.clone(), w, EPS)
             add_rms_norm_fp8(x, x.clone(), w, EPS)
         else:
             rms_norm(x, w, EPS)
             rms_norm_fp8(x, w, EPS)
+
+    differ = 0
+    for x_dtype, w_dtype, k, residual in IR_CASES:
+        x, w = torch.zeros(2, k, dtype=getattr(torch, x_dtype)), torch.zeros(k, dtype=getattr(torch, w_dtype))
+        compiled = compile_for(90, lambda x=x, w=w, residual=residual: norms(x, w, residual))
         unfused, fused = (sum_of_squares_ir(kernel.asm["ttgir"]) for kernel in compiled)
         if unfused != fused or "tt.reduce" not in fused:
             differ += 1

@@ -184,6 +184,22 @@ def w8a8_gemv_cases(gemv) -> list[tuple[str, Callable[[], object]]]:  # noqa: AN
              lambda c=config: gemv.gemv(x, w, scale, c, x_scale, torch.bfloat16)) for config in configs]  # fmt: skip
 
 
+def compile_for(capability: int, launch: Callable[[], object]) -> list:
+    """The kernels launch() starts, compiled (not run) for sm_{capability} through the stand-in driver: each
+    one's compiled form (its .asm["ttgir"] for what the compiler made of it). For a fresh process without
+    TRITON_INTERPRET: it leaves launches compiling only."""
+    kernels = []
+
+    def compile_only(self, *args, grid, warmup, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        kernels.append(_run(self, *args, grid=grid, warmup=True, **kwargs))
+        return kernels[-1]
+
+    jit.JITFunction.run = compile_only
+    driver.set_active(StandInDriver(capability))
+    launch()
+    return kernels
+
+
 def main() -> int:
     jit.JITFunction.run = _compile_only
     from tokenspeed_kernels.common import set_pdl

@@ -3,11 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,9 +15,8 @@ from tokenspeed_kernels.kv_write import write_kv, write_kv_reference
 from tokenspeed_kernels.page_table import flatten_block_tables, flatten_block_tables_reference
 from tokenspeed_kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_reference
 
+from tests.support.compile_kernels import run_in_compiler_process
 from tests.support.numerics import relative_error as rel_err
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def paged_cache(
@@ -145,10 +139,10 @@ def split_loop_loads() -> int:
     step 3% slower at batch 64 on the H200)."""
     from tokenspeed_kernels.common import set_pdl
 
-    from tests.support.compile_kernels import compile_for
+    from tests.support.compile_kernels import compile_for, loop_loads
 
     set_pdl(True)
-    synchronous = 0
+    failures = 0
     for dtype in (torch.bfloat16, torch.float8_e4m3fn):
         q = torch.zeros(4, 32, 128, dtype=torch.bfloat16)
         k_cache = torch.zeros(64, 16, 8, 128).to(dtype)
@@ -156,19 +150,13 @@ def split_loop_loads() -> int:
         (kernel,) = compile_for(
             90, lambda q=q, k=k_cache, t=tables, n=lengths: paged_decode_attention(q, k, k.clone(), t, n, 0.1, 1)
         )
-        ttgir = kernel.asm["ttgir"]
-        loop = ttgir[ttgir.index("scf.for") : ttgir.index("scf.yield")]
-        loads = len(re.findall(r"= tt\.load ", loop))
-        if loads or "async_copy_global_to_local" not in loop:
-            synchronous += max(loads, 1)
-            print(f"{dtype} cache: {loads} synchronous loads in the loop")
-    return synchronous
+        synchronous, asynchronous = loop_loads(kernel.asm["ttgir"])
+        if synchronous or not asynchronous:
+            failures += 1
+            print(f"{dtype} cache: {synchronous} synchronous loads and {asynchronous} asynchronous copies in the loop")
+    return failures
 
 
 def test_decode_split_loop_loads_are_pipelined_on_sm90() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = "import sys; from tests.kernels.test_attention_kernels import split_loop_loads as f; sys.exit(f())"
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, cwd=REPO
-    )
+    done = run_in_compiler_process("tests.kernels.test_attention_kernels:split_loop_loads")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]

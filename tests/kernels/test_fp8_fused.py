@@ -15,11 +15,7 @@ float32); the rest is for the GPU.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -37,8 +33,8 @@ from tokenspeed_kernels.rmsnorm import (
 
 from app.worker.quantization.fp8 import REL_ERROR, SUBNORMAL_ERROR, dequantize
 from app.worker.quantization.fp8 import quantize_rows as torch_quantize_rows
+from tests.support.compile_kernels import run_in_compiler_process
 
-REPO = Path(__file__).resolve().parents[2]
 EPS = 1e-6
 LOOPED_MAX_ROW = 256  # rows wider than this take the two-pass loop when the tests lower the limit
 
@@ -303,9 +299,5 @@ def compare_norm_ir() -> int:
 
 
 def test_fused_norms_sum_in_rms_norms_order_on_sm90() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = "import sys; from tests.kernels.test_fp8_fused import compare_norm_ir; sys.exit(compare_norm_ir())"
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, cwd=REPO
-    )
+    done = run_in_compiler_process("tests.kernels.test_fp8_fused:compare_norm_ir")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]

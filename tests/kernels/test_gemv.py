@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import tokenspeed_kernels.gemv as gemv_module
 import torch
-from tokenspeed_kernels.common import arrival_counts
+from tokenspeed_kernels.common import FP8_DTYPE, arrival_counts
 from tokenspeed_kernels.gemv import (
     MAX_M,
     GemvConfig,
@@ -26,6 +26,7 @@ from tokenspeed_kernels.gemv import (
 from app.worker.quantization import fp8_linear
 from app.worker.quantization.fp8 import Fp8Rows, quantize, quantize_rows
 from app.worker.quantization.gemm import SCALED_MM_ROWWISE, SCALED_MM_TENSORWISE
+from tests.support.compile_kernels import run_in_compiler_process
 from tests.support.numerics import relative_error
 
 REL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
@@ -183,3 +184,32 @@ def test_decode_sized_batches_take_the_w8a8_gemv(backend: str) -> None:
     got_static = fp8_linear(x, w_codes, w_scale.view(1, -1), static, None, backend)
     want_static = gemv_reference(quantize(x, static), w_codes, w_scale.view(-1), static.expand(5), torch.float16)
     assert torch.allclose(got_static.float(), want_static.float(), rtol=2**-9, atol=2e-3)
+
+
+def table_loop_loads() -> int:
+    """Run in a fresh process: compiles the GEMV for sm_90 (PDL on) at each entry of its measured table that
+    multiplies on the tensor cores, and counts those whose K loop has a load that is not an asynchronous
+    copy: the table's timings assume the weight and x tiles requested stages ahead."""
+    from tokenspeed_kernels.common import set_pdl
+
+    from tests.support.compile_kernels import compile_for, loop_loads
+
+    set_pdl(True)
+    failures = 0
+    for (kind, m, n, k), config in gemv_module._MEASURED.items():
+        if not config.use_dot:
+            continue
+        w, scale = (torch.zeros(n, k, dtype=torch.bfloat16), None) if kind == "16" else (torch.zeros(n, k).to(FP8_DTYPE), torch.ones(n))
+        x = torch.zeros(m, k).to(FP8_DTYPE) if kind == "w8a8" else torch.zeros(m, k, dtype=torch.bfloat16)
+        x_scale = torch.ones(m, 1) if kind == "w8a8" else None
+        (kernel,) = compile_for(90, lambda x=x, w=w, s=scale, c=config, xs=x_scale: gemv(x, w, s, c, xs, torch.bfloat16))
+        synchronous, asynchronous = loop_loads(kernel.asm["ttgir"])
+        if synchronous or not asynchronous:
+            failures += 1
+            print(f"{kind} m={m} n={n} k={k} {config}: {synchronous} synchronous loads, {asynchronous} copies")
+    return failures
+
+
+def test_table_configs_pipeline_their_loads_on_sm90() -> None:
+    done = run_in_compiler_process("tests.kernels.test_gemv:table_loop_loads")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]

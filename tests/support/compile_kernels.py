@@ -12,9 +12,13 @@ the kernels compiled; exits 1 on a failure.
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
 import sys
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import triton.runtime.jit as jit
@@ -198,6 +202,24 @@ def compile_for(capability: int, launch: Callable[[], object]) -> list:
     driver.set_active(StandInDriver(capability))
     launch()
     return kernels
+
+
+def loop_loads(ttgir: str) -> tuple[int, int]:
+    """(synchronous loads, asynchronous copies) in the body of a compiled kernel's first loop: on sm_90 the
+    pipeliner turns the loads it requests stages ahead into asynchronous copies."""
+    start = ttgir.index("scf.for")
+    body = ttgir[start : ttgir.index("scf.yield", start)]
+    return len(re.findall(r"= tt\.load ", body)), body.count("async_copy_global_to_local")
+
+
+def run_in_compiler_process(function: str) -> subprocess.CompletedProcess:
+    """Call function ("module:name", returning a count of failures as its exit status) in a fresh Python
+    without TRITON_INTERPRET, where compile_for compiles for real."""
+    module, name = function.split(":")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = f"import sys; from {module} import {name}; sys.exit({name}())"
+    repo = Path(__file__).resolve().parents[2]
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, cwd=repo)
 
 
 def main() -> int:

@@ -305,7 +305,7 @@ class Settings(BaseSettings):
     enable_pdl: bool = _f(
         True, "Launch the decode-path Triton kernels with programmatic dependent launch (each one's programs "
         "are scheduled while the kernel before it finishes, and read meanwhile what no kernel writes: weight "
-        "scales, positions, page tables). Takes "
+        "scales, positions, sequence lengths). Takes "
         "effect on one GPU of compute capability 9.0 or newer (Hopper); elsewhere the kernels launch "
         "plainly.", APPLIANCE, origin="appliance")
     heartbeat_timeout: float = _f(

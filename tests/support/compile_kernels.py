@@ -204,22 +204,27 @@ def compile_for(capability: int, launch: Callable[[], object]) -> list:
     return kernels
 
 
-def loop_loads(ttgir: str) -> tuple[int, int]:
-    """(synchronous loads, asynchronous copies) in the body of a compiled kernel's first loop: on sm_90 the
-    pipeliner turns the loads it requests stages ahead into asynchronous copies."""
+def unpipelined_loop(kernel) -> str | None:  # noqa: ANN001
+    """What keeps a compiled kernel's first loop from streaming (None: nothing): on sm_90 the pipeliner
+    turns the loads it requests stages ahead into asynchronous copies; a plain load in the loop waits."""
+    ttgir = kernel.asm["ttgir"]
     start = ttgir.index("scf.for")
     body = ttgir[start : ttgir.index("scf.yield", start)]
-    return len(re.findall(r"= tt\.load ", body)), body.count("async_copy_global_to_local")
+    synchronous, asynchronous = len(re.findall(r"= tt\.load ", body)), body.count("async_copy_global_to_local")
+    if synchronous or not asynchronous:
+        return f"{synchronous} synchronous loads and {asynchronous} asynchronous copies in its loop"
+    return None
 
 
-def run_in_compiler_process(function: str) -> subprocess.CompletedProcess:
+def check_in_compiler_process(function: str) -> None:
     """Call function ("module:name", returning a count of failures as its exit status) in a fresh Python
-    without TRITON_INTERPRET, where compile_for compiles for real."""
+    without TRITON_INTERPRET, where compile_for compiles for real; assert it found none."""
     module, name = function.split(":")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = f"import sys; from {module} import {name}; sys.exit({name}())"
     repo = Path(__file__).resolve().parents[2]
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, cwd=repo)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, cwd=repo)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
 
 
 def main() -> int:

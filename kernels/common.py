@@ -66,21 +66,6 @@ def check_rows(name: str, x: torch.Tensor) -> None:
         raise ValueError(f"{name} rows must hold contiguous [heads, dim], got strides {tuple(x.stride())}")
 
 
-_HINTS = tl.constexpr(not INTERPRETING)  # Triton's interpreter runs no PTX
-
-
-@triton.jit
-def prefetch_to_l2(ptrs, mask):
-    """Ask the L2 for the lines at ptrs where mask holds (PTX prefetch.global.L2): a hint with no result
-    and no wait, for what a kernel reads from the HBM right after its PDL wait. Nothing under the
-    interpreter."""
-    if _HINTS:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-            "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
-        )  # fmt: skip
-
-
 # Per device: counts with which the programs of one kernel find the last of them to finish a piece of work,
 # which then does what needs all the pieces (the GEMV's split-K sums). Each kernel leaves its counts at
 # zero, and the next one starts after it ends (the forward pass runs on one stream; under PDL a kernel ends

@@ -35,7 +35,6 @@ from .common import (
     dot_precision,
     next_power_of_2,
     pdl_options,
-    prefetch_to_l2,
     wait_for_predecessor,
 )
 
@@ -75,19 +74,16 @@ def _decode_split_kernel(
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    # The sequence's length and block table are the step's inputs, not the output of the kernel before
-    # (the rotary one, which writes q and the new token's K/V): under PDL the length is read, and the first
-    # tile's pages asked of the L2, while that kernel ends. The pages are loaded in the loop, where the
-    # pipeliner requests them stages ahead with the K/V tiles: read before the wait and carried from one
-    # iteration to the next, they were no longer pipelined (sm_90 TTGIR), and the step measured 3% slower
-    # at batch 64 (docs/benchmarks.md, session 15).
+    # The sequence's length is the step's input, not the output of the kernel before (the rotary one,
+    # which writes q and the new token's K/V): under PDL it is read while that kernel ends. The pages stay
+    # in the loop, where the pipeliner requests them stages ahead with the K/V tiles: read before the wait
+    # and carried from one iteration to the next, they were no longer pipelined (sm_90 TTGIR), and the
+    # step measured 3% slower at batch 64 (docs/benchmarks.md, session 15).
     seq_len = tl.load(seq_lens_ptr + b)
+    wait_for_predecessor(USE_PDL)
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
-    tile_pos = start + tl.arange(0, BLOCK_N)
-    prefetch_to_l2(block_tables_ptr + b * stride_bt + tile_pos // PAGE, tile_pos < end)
-    wait_for_predecessor(USE_PDL)
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, BLOCK_D)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Batch-1 decode (BATCH=N for another batch; graph replay) of the 8B model, dummy weights, triton backend,
-# bf16 and FP8 weights, run alternately with older trees and this one on the same machine: H200s differ by
-# more than some changes (docs/benchmarks.md), so a change is judged side by side.
+# Batch-1 decode (graph replay) of the 8B model, dummy weights, triton backend, bf16 and FP8 weights, run
+# alternately with older trees and this one on the same machine: H200s differ by more than some changes
+# (docs/benchmarks.md), so a change is judged side by side. BATCH="1 64" runs each batch size in turn: a
+# change for batch 1 can cost elsewhere (session 15: 1.8% faster at batch 1, 3% slower at 64).
 #
 #   git archive <commit> app kernels scripts configs | (mkdir -p ab_old && tar -x -C ab_old)   # here
 #   bash scripts/gpu/ab_latency.sh ab_old [ROUNDS [OTHER_TREE ...]]                            # on the device
@@ -20,7 +21,7 @@ for tree in "${TREES[@]}"; do
   ln -sfn "$(realpath "$tree")/kernels" "/tmp/ab_k_$(name "$tree")/tokenspeed_kernels"
 done
 ARGS="--model configs/models/llama-3.1-8b --load-format dummy --dtype bfloat16 --attention-backend triton
-  --batch-size ${BATCH:-1} --input-len 512 --output-len 128"
+  --input-len 512 --output-len 128"
 one() {  # one TREE_DIR RUN_NAME [flags]: the graph replay ms, or "failed"
   local dir=$1 run=$2 kernels=/tmp/ab_k_$(name "$1"); shift 2
   rm -f "/tmp/ab_$run.json"  # a failed run must not report an earlier call's figure
@@ -29,12 +30,14 @@ one() {  # one TREE_DIR RUN_NAME [flags]: the graph replay ms, or "failed"
     && python3 -c "import json; print(json.load(open('/tmp/ab_$run.json'))['graph_replay_ms'])" || echo failed
 }
 : > /tmp/ab_rows.txt
-for round in $(seq "$ROUNDS"); do
-  for weights in bf16 fp8; do
-    flags=(); [ "$weights" = fp8 ] && flags=(--quantization fp8)
-    for tree in "${TREES[@]}"; do
-      ms=$(one "$tree" "$(name "$tree")_$weights" "${flags[@]}")
-      echo "$round $weights $(name "$tree") $ms" | tee -a /tmp/ab_rows.txt
+for batch in ${BATCH:-1}; do
+  for round in $(seq "$ROUNDS"); do
+    for weights in bf16 fp8; do
+      flags=(--batch-size "$batch"); [ "$weights" = fp8 ] && flags+=(--quantization fp8)
+      for tree in "${TREES[@]}"; do
+        ms=$(one "$tree" "$(name "$tree")_$weights" "${flags[@]}")
+        echo "$batch $round $weights $(name "$tree") $ms" | tee -a /tmp/ab_rows.txt
+      done
     done
   done
 done
@@ -42,17 +45,17 @@ python3 - "$OUT/ab_latency.json" "$(name "$OLD")" <<'PY'
 import json, sys
 rows = [line.split() for line in open("/tmp/ab_rows.txt")]
 ms = lambda v: None if v == "failed" else float(v)  # noqa: E731
-json.dump([{"round": int(r), "weights": w, "tree": t, "ms": ms(v)} for r, w, t, v in rows],
+json.dump([{"batch": int(b), "round": int(r), "weights": w, "tree": t, "ms": ms(v)} for b, r, w, t, v in rows],
           open(sys.argv[1], "w"), indent=2)
-old, trees = sys.argv[2], list(dict.fromkeys(t for _, _, t, _ in rows))
-table = {(r, w, t): ms(v) for r, w, t, v in rows}
-print("| round | weights | " + " | ".join(f"{t} ms" for t in trees) + " | " +
+old, trees = sys.argv[2], list(dict.fromkeys(t for *_, t, _ in rows))
+table = {(b, r, w, t): ms(v) for b, r, w, t, v in rows}
+print("| batch | round | weights | " + " | ".join(f"{t} ms" for t in trees) + " | " +
       " | ".join(f"{t} / {old}" for t in trees[1:]) + " |")
-print("|---" * (2 + 2 * len(trees) - 1) + "|")
-for r, w in dict.fromkeys((r, w) for r, w, _, _ in rows):
-    values = [table[(r, w, t)] for t in trees]
+print("|---" * (3 + 2 * len(trees) - 1) + "|")
+for b, r, w in dict.fromkeys((b, r, w) for b, r, w, _, _ in rows):
+    values = [table[(b, r, w, t)] for t in trees]
     base = values[0]
     ratios = [f"{v / base:.3f}" if v and base else "-" for v in values[1:]]
-    print(f"| {r} | {w} | " + " | ".join("failed" if v is None else f"{v:.3f}" for v in values) + " | " +
+    print(f"| {b} | {r} | {w} | " + " | ".join("failed" if v is None else f"{v:.3f}" for v in values) + " | " +
           " | ".join(ratios) + " |")
 PY

@@ -33,6 +33,17 @@ def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+# Up to this many rows a one-program-a-row kernel's latency is its program's (fewer programs than SMs):
+# the norm and quantize_rows then give each program more warps (few_row_warps).
+FEW_ROWS = 64
+
+
+def few_row_warps(block: int) -> int:
+    """Warps for a program holding a row of block elements when there are few rows: about 8 elements a
+    thread (one 16-byte load of 16-bit x), 4 to 16 warps."""
+    return min(16, max(4, block // 256))
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """float32 operands stay exact (IEEE); half types use the tensor cores' native path."""
     return "ieee" if dtype == torch.float32 else "tf32"

@@ -32,10 +32,12 @@ import triton
 import triton.language as tl
 
 from .common import (
+    FEW_ROWS,
     FP8_DTYPE,
     INTERPRETING,
     check_last_dim_contiguous,
     check_rows,
+    few_row_warps,
     next_power_of_2,
     pdl_options,
     wait_for_predecessor,
@@ -59,11 +61,6 @@ class RowPlan(NamedTuple):
     num_warps: int
 
 
-# Up to this many rows a row's program is the kernel's latency (fewer programs than SMs): row_plan gives
-# it about 8 elements a thread instead of 16, as rmsnorm does.
-FEW_ROWS = 64
-
-
 def row_plan(k: int, rows: int = FEW_ROWS + 1) -> RowPlan:
     """The whole row in registers when it fits (one read of it), else two passes over LOOP_BLOCK pieces.
     Warps grow with the row, about 16 elements a thread up to 16 warps (8 for a few rows), so that a
@@ -71,7 +68,7 @@ def row_plan(k: int, rows: int = FEW_ROWS + 1) -> RowPlan:
     if k > MAX_ROW_IN_REGISTERS:
         return RowPlan(LOOP_BLOCK, False, LOOP_WARPS)
     block = next_power_of_2(k)
-    return RowPlan(block, True, min(16, max(4, block // (256 if rows <= FEW_ROWS else 512))))
+    return RowPlan(block, True, few_row_warps(block) if rows <= FEW_ROWS else min(16, max(4, block // 512)))
 
 
 @triton.jit

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import FP8_DTYPE, next_power_of_2, pdl_options, wait_for_predecessor
+from .common import FEW_ROWS, FP8_DTYPE, few_row_warps, next_power_of_2, pdl_options, wait_for_predecessor
 from .fp8_quant import quantize_row_in_registers
 
 
@@ -104,15 +104,11 @@ def _norm_rows(
         )  # fmt: skip
 
 
-# Up to this many rows each program's latency is the kernel's (fewer programs than SMs): _num_warps.
-FEW_ROWS = 64
-
-
 def _num_warps(rows: int, width: int) -> int:
-    """For a few rows about 8 elements a thread (one 16-byte load of 16-bit x), 4 to 16 warps, else 4.
-    On the H200 at the 8B model's 4096, side by side with 4 warps: FP8 decode 1.4% faster at batch 1
-    (8 warps: 1.0%), 0.4% slower at 256; bf16 unchanged at both (docs/benchmarks.md)."""
-    return min(16, max(4, next_power_of_2(width) // 256)) if rows <= FEW_ROWS else 4
+    """common.few_row_warps for a few rows, else 4. On the H200 at the 8B model's 4096, side by side with
+    4 warps: FP8 decode 1.4% faster at batch 1 (8 warps: 1.0%), 0.4% slower at 256; bf16 unchanged at both
+    (docs/benchmarks.md)."""
+    return few_row_warps(next_power_of_2(width)) if rows <= FEW_ROWS else 4
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:

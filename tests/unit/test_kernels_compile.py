@@ -4,23 +4,17 @@ cannot see what only the GPU compiler rejects."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
+
+from tests.support.compile_kernels import check_in_compiler_process
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_every_kernel_compiles_for_sm90_and_sm80() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run(
-        [sys.executable, str(REPO / "tests/support/compile_kernels.py")],
-        env=env, capture_output=True, text=True, timeout=600, cwd=REPO,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-4000:]
-    compiled = set(done.stdout.split("compiled:")[1].split())
+    output = check_in_compiler_process("tests.support.compile_kernels:main", timeout=600)
+    compiled = set(output.split("compiled:")[1].split())
     defined = {
         name
         for path in (REPO / "kernels").glob("*.py")

@@ -21,6 +21,7 @@
 #   profile_b1_fp8           1 request of 512 in / 256 out, FP8 weights, torch.profiler over 20 decode steps: each
 #                            kernel's GPU time at batch 1 (the FP8 batch-1 goal), PDL off so that kernels do not
 #                            overlap (under PDL each one's time includes its wait for the one before): ~30 s
+#   profile_b1_bf16          the same with bf16 weights: the bar FP8 is judged against, kernel by kernel
 #   profile_b4               4 requests of 1024 in / 256 out in process, torch.profiler over 20 decode steps: each
 #                            kernel's GPU time and calls, and the GPU's busy share (4-stream TPOT): ~50 s
 #   latency_pdl              its GPU tests, then batch 1 and 4 (and batch 1 with FP8 weights), flashinfer, the
@@ -79,7 +80,7 @@ export PYTHONUNBUFFERED=1
 MODEL=configs/models/llama-3.1-8b
 STAGES=${*:-roofline latency_triton tests latency_flashinfer latency_b32 offline hf tests_8b}
 KNOWN=" roofline latency_triton tests latency_flashinfer latency_b4 latency_pdl pieces latency_b32 offline offline_no_overlap latency_fp8 kv_pool \
-latency_fp8_triton offline_1000 offline_1000_g512 offline_1000_fp8 offline_1000_fp8kv offline_b1 profile_prefill profile_b1_fp8 profile_b4 pyspy_b4 pyspy_prefill hf tests_8b idle serving serving_eager_prefill tests_tp latency_tp serving_dp tests_fp8kv tests_fp8w tests_decode tests_fi_decode tests_gemv gemv gemv_chain attn attn_sweep elementwise scaled_mm overlap prefill_fp8 xqa_layout pytest "
+latency_fp8_triton offline_1000 offline_1000_g512 offline_1000_fp8 offline_1000_fp8kv offline_b1 profile_prefill profile_b1_fp8 profile_b1_bf16 profile_b4 pyspy_b4 pyspy_prefill hf tests_8b idle serving serving_eager_prefill tests_tp latency_tp serving_dp tests_fp8kv tests_fp8w tests_decode tests_fi_decode tests_gemv gemv gemv_chain attn attn_sweep elementwise scaled_mm overlap prefill_fp8 xqa_layout pytest "
 SERVING_MORE="stagger:4:0.5:32:128 b1:1:0:3:256"  # the serving stages' benchmarks after the first (serve_and_bench.sh)
 for s in $STAGES; do  # every name checked before anything runs
   [[ $KNOWN == *" $s "* ]] || { echo "unknown stage $s; known:$KNOWN"; exit 2; }
@@ -204,6 +205,8 @@ for s in $STAGES; do
       --max-num-seqs 2 --chunked-prefill-size 1024 --profile-steps 4:3 ;;
     profile_b1_fp8) wait $WARM; run_offline profile_b1_fp8 120 --num-requests 1 --input-len 512 --output-len 256 \
       --max-num-seqs 1 --quantization fp8 --profile-steps 100:20 --no-pdl ;;
+    profile_b1_bf16) wait $WARM; run_offline profile_b1_bf16 120 --num-requests 1 --input-len 512 --output-len 256 \
+      --max-num-seqs 1 --profile-steps 100:20 --no-pdl ;;
     profile_b4) wait $WARM; run_offline profile_b4 120 --num-requests 4 --input-len 1024 --output-len 256 --max-num-seqs 4 \
       --profile-steps 100:20 ;;
     pyspy_b4) wait $WARM; stage pyspy_b4 150 py-spy record --idle --nonblocking -r 500 -f raw \

@@ -31,10 +31,10 @@ from app.worker.layers import (
 )
 from app.worker.layers.linear import RowParallelLinear, local_kv_heads
 from app.worker.parallel import SINGLE, TensorParallel
-from app.worker.quantization.fp8 import Fp8Rows
 
 if TYPE_CHECKING:
     from app.worker.quantization import Fp8LinearMethod
+    from app.worker.quantization.fp8 import Fp8Rows
 
 
 @dataclass(frozen=True)
@@ -119,10 +119,8 @@ class DenseAttention(nn.Module):
         v = v.view(-1, d.num_kv_heads, d.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        # FP8: the attention's output may come quantized (the triton decode merge writes the codes)
-        quantize = self.o_proj.takes_quantized_rows()
-        out = attn.backend.forward(self.layer_idx, q, k, v, attn, rope, quantize_output=quantize)
-        return self.o_proj(out if isinstance(out, Fp8Rows) else out.reshape(-1, d.num_heads * d.head_dim))
+        out = attn.backend.forward(self.layer_idx, q, k, v, attn, rope)
+        return self.o_proj(out.reshape(-1, d.num_heads * d.head_dim))
 
 
 class DenseMLP(nn.Module):

@@ -2,7 +2,8 @@
 # Batch-1 decode (graph replay) of the 8B model, dummy weights, triton backend, bf16 and FP8 weights, run
 # alternately with older trees and this one on the same machine: H200s differ by more than some changes
 # (docs/benchmarks.md), so a change is judged side by side. BATCH="1 64" runs each batch size in turn: a
-# change for batch 1 can cost elsewhere (session 15: 1.8% faster at batch 1, 3% slower at 64).
+# change for batch 1 can cost elsewhere (session 15: 1.8% faster at batch 1, 3% slower at 64). WEIGHTS=fp8
+# leaves out the bf16 runs (for a change to FP8's path alone; default "bf16 fp8").
 #
 #   git archive <commit> app kernels scripts configs | (mkdir -p ab_old && tar -x -C ab_old)   # here
 #   bash scripts/gpu/ab_latency.sh ab_old [ROUNDS [OTHER_TREE ...]]                            # on the device
@@ -32,7 +33,7 @@ one() {  # one TREE_DIR RUN_NAME [flags]: the graph replay ms, or "failed"
 : > /tmp/ab_rows.txt
 for batch in ${BATCH:-1}; do
   for round in $(seq "$ROUNDS"); do
-    for weights in bf16 fp8; do
+    for weights in ${WEIGHTS:-bf16 fp8}; do
       flags=(--batch-size "$batch"); [ "$weights" = fp8 ] && flags+=(--quantization fp8)
       for tree in "${TREES[@]}"; do
         ms=$(one "$tree" "$(name "$tree")_$weights" "${flags[@]}")

@@ -4,13 +4,13 @@ Rounded as torch rounds F.silu(gate) * up in the activation dtype: silu in float
 product in that dtype.
 
 silu_and_mul_fp8 also quantizes the products for the FP8 down projection: per-row e4m3 codes and
-float32 scales, bit for bit fp8_quant.quantize_rows(silu_and_mul(x)). The scale needs the row's amax
-before any code is written. Many rows: one program takes a whole row, held in registers when it fits
-(fp8_quant.row_plan: up to MAX_ROW_IN_REGISTERS products, the 8B model's 14336 included), else two passes
-over it in pieces (products and amax, then the products again and their codes), without the round trip
-of the products through memory. A few rows (SPREAD_MAX_ROWS: decode at small batches) are spread over
-many programs instead, in one launch: each writes its products, and the last of a row's programs to
-finish reads the row back from the L2 and quantizes it (common.last_to_arrive).
+float32 scales, bit for bit fp8_quant.quantize_rows(silu_and_mul(x)), without the round trip of the
+products through memory. The scale needs
+the row's amax before any code is written, so one program takes a whole row: held in registers when it
+fits (fp8_quant.row_plan: up to MAX_ROW_IN_REGISTERS products, the 8B model's 14336 included), else
+two passes over it in pieces (products and amax, then the products again and their codes). A few rows
+(SPREAD_MAX_ROWS: decode at small batches) are spread over many programs instead, in two launches: the
+products with a partial amax a program, then their codes (the same bits).
 """
 
 from __future__ import annotations
@@ -20,23 +20,14 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import fp8_quant
-from .common import (
-    FP8_DTYPE,
-    arrival_counts,
-    few_row_warps,
-    last_to_arrive,
-    next_power_of_2,
-    pdl_options,
-    wait_for_predecessor,
-)
-from .fp8_quant import quantize_row_in_registers, row_plan, row_scale, store_codes
+from .common import FP8_DTYPE, pdl_options, wait_for_predecessor
+from .fp8_quant import quantize_row_in_registers, quantize_rows_with_amax, row_plan, row_scale, store_codes
 
 BLOCK = 1024
-# Up to this many rows silu_and_mul_fp8 spreads each row over programs (the products, then the codes from
-# the row's last program): one program a row leaves most SMs idle. On the H200 at the 8B model's 14336
-# (scripts/gpu/bench_elementwise.py, the spread in two launches then): 3.5 us against 6.4 at 1 row, 3.9
-# against 6.4 at 16, 5.1 against 6.5 at 64. Read at each launch.
+# Up to this many rows silu_and_mul_fp8 spreads each row over programs in two launches (the products
+# with a partial amax a program, then their codes, fp8_quant.quantize_rows_with_amax): one program a row
+# leaves most SMs idle. On the H200 at the 8B model's 14336 (scripts/gpu/bench_elementwise.py): 3.5 us
+# against 6.4 at 1 row, 3.9 against 6.4 at 16, 5.1 against 6.5 at 64. Read at each launch.
 SPREAD_MAX_ROWS = 64
 
 
@@ -52,23 +43,18 @@ def _silu_mul(x_row, offs, mask, n_cols):
 
 @triton.jit
 def _silu_and_mul_kernel(
-    x_ptr, out_ptr, codes_ptr, scales_ptr, arrivals_ptr, stride_x, stride_o, stride_c, n_cols,
-    CODES_OUT: tl.constexpr, ROW_BLOCK: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr, out_ptr, amax_ptr, stride_x, stride_o, n_cols,
+    AMAX_OUT: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_predecessor(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
     y = _silu_mul(x_ptr + row * stride_x, offs, mask, n_cols)
-    out_row = out_ptr + row * stride_o
-    tl.store(out_row + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
-    # The row's last program to finish reads the row's products back (from the L2: the others' stores are
-    # ordered before by last_to_arrive) and writes its codes and scale. arrivals: a count per row.
-    if CODES_OUT:
-        if last_to_arrive(arrivals_ptr + row, tl.num_programs(1)):
-            cols = tl.arange(0, ROW_BLOCK)
-            products = tl.load(out_row + cols, mask=cols < n_cols, other=0.0, cache_modifier=".cg")
-            quantize_row_in_registers(products, codes_ptr + row * stride_c + cols, cols < n_cols, scales_ptr + row)
+    tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    if AMAX_OUT:  # this program's part of the row's amax: amax [rows, programs a row]
+        part = tl.max(tl.where(mask, tl.abs(y.to(tl.float32)), 0.0), axis=0)
+        tl.store(amax_ptr + row * tl.num_programs(1) + tl.program_id(1), part)
 
 
 @triton.jit
@@ -112,37 +98,32 @@ def _gate_up_rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-def _silu_and_mul_rows(x2: torch.Tensor, quantized: bool = False) -> tuple[torch.Tensor, ...]:
-    """The products of gate_up rows x2 [M, 2I] -> ([M, I],), ceil(I / BLOCK) programs a row; quantized:
-    (products, codes [M, I], scales [M, 1]), each row's codes written by its last program (a row of at
-    most fp8_quant.MAX_ROW_IN_REGISTERS)."""
-    m, n = x2.shape[0], x2.shape[1] // 2
-    out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
-    codes = torch.empty(m, n, dtype=FP8_DTYPE, device=x2.device) if quantized else out
-    scales = torch.empty(m, 1, dtype=torch.float32, device=x2.device) if quantized else out
-    row_block = next_power_of_2(n)
-    if m:
-        _silu_and_mul_kernel[(m, triton.cdiv(n, BLOCK))](
-            x2, out, codes, scales, arrival_counts(x2.device, m) if quantized else out, x2.stride(0),
-            out.stride(0), codes.stride(0), n,
-            CODES_OUT=quantized, ROW_BLOCK=row_block if quantized else BLOCK, BLOCK=BLOCK,
-            num_warps=few_row_warps(row_block) if quantized else 4, **pdl_options(),
+def _silu_and_mul_rows(x2: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
+    """The products of gate_up rows x2 [M, 2I] -> [M, I], ceil(I / BLOCK) programs a row; with amax
+    [M, programs a row] also each program's largest |product| there."""
+    n = x2.shape[1] // 2
+    out = torch.empty(x2.shape[0], n, dtype=x2.dtype, device=x2.device)
+    if x2.shape[0]:
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, BLOCK))](
+            x2, out, out if amax is None else amax, x2.stride(0), out.stride(0), n,
+            AMAX_OUT=amax is not None, BLOCK=BLOCK, **pdl_options(),
         )  # fmt: skip
-    return (out, codes, scales) if quantized else (out,)
+    return out
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    (out,) = _silu_and_mul_rows(_gate_up_rows(x))
+    out = _silu_and_mul_rows(_gate_up_rows(x))
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., 2I] -> (FP8 codes [M, I], float32 scales [M, 1]), M the number of rows of x:
-    quantize_rows(silu_and_mul(x)) flattened to rows, in one launch."""
+    quantize_rows(silu_and_mul(x)) flattened to rows: one launch, or two for a few wide rows."""
     x2 = _gate_up_rows(x)
     n = x2.shape[1] // 2
-    if 0 < x2.shape[0] <= SPREAD_MAX_ROWS and BLOCK < n <= fp8_quant.MAX_ROW_IN_REGISTERS:  # see SPREAD_MAX_ROWS
-        return _silu_and_mul_rows(x2, quantized=True)[1:]
+    if 0 < x2.shape[0] <= SPREAD_MAX_ROWS and n > BLOCK:  # see SPREAD_MAX_ROWS
+        amax = torch.empty(x2.shape[0], triton.cdiv(n, BLOCK), dtype=torch.float32, device=x.device)
+        return quantize_rows_with_amax(_silu_and_mul_rows(x2, amax), amax, BLOCK)
     codes = torch.empty(x2.shape[0], n, dtype=FP8_DTYPE, device=x.device)
     scales = torch.empty(x2.shape[0], 1, dtype=torch.float32, device=x.device)
     if x2.shape[0]:

@@ -77,34 +77,6 @@ def check_rows(name: str, x: torch.Tensor) -> None:
         raise ValueError(f"{name} rows must hold contiguous [heads, dim], got strides {tuple(x.stride())}")
 
 
-_HINTS = tl.constexpr(not INTERPRETING)  # Triton's interpreter runs no PTX
-
-
-@triton.jit
-def prefetch_lines_to_l2(base, n_lines, share, num_shares, BLOCK: tl.constexpr, EVICT_LAST: tl.constexpr):
-    """This program's share (of num_shares) of the n_lines 128-byte lines from base (a byte pointer),
-    asked of the L2 (PTX prefetch.global.L2, evict_last if EVICT_LAST): no result, no wait. Nothing
-    under the interpreter."""
-    if _HINTS:
-        per_share = tl.cdiv(n_lines, num_shares)
-        first = share * per_share
-        last = tl.minimum(first + per_share, n_lines)
-        for start in range(first, last, BLOCK):
-            lines = start + tl.arange(0, BLOCK)
-            ptrs = base + lines.to(tl.int64) * 128
-            ok = (lines < last).to(tl.int32)
-            if EVICT_LAST:
-                tl.inline_asm_elementwise(
-                    "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0; }",
-                    "=r,l,r", [ptrs, ok], dtype=tl.int32, is_pure=False, pack=1,
-                )  # fmt: skip
-            else:
-                tl.inline_asm_elementwise(
-                    "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-                    "=r,l,r", [ptrs, ok], dtype=tl.int32, is_pure=False, pack=1,
-                )  # fmt: skip
-
-
 # Per device: counts with which the programs of one kernel find the last of them to finish a piece of work,
 # which then does what needs all the pieces (the GEMV's split-K sums). Each kernel leaves its counts at
 # zero, and the next one starts after it ends (the forward pass runs on one stream; under PDL a kernel ends

@@ -30,16 +30,13 @@ import triton.language as tl
 
 from .common import (
     FP8_DTYPE,
-    arrival_counts,
     check_kv_scales,
     check_last_dim_contiguous,
     dot_precision,
-    last_to_arrive,
     next_power_of_2,
     pdl_options,
     wait_for_predecessor,
 )
-from .fp8_quant import quantize_row_in_registers
 
 BLOCK_N = 64  # context tokens per tile (128 for an FP8 cache measured the same on the H200)
 
@@ -137,19 +134,13 @@ def _decode_merge_kernel(
     part_out_ptr,
     part_lse_ptr,
     out_ptr,
-    codes_ptr,
-    scales_ptr,
-    arrivals_ptr,
     stride_ob,
     stride_oh,
-    stride_cb,
     num_splits,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
-    CODES_OUT: tl.constexpr,
-    ROW_BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     wait_for_predecessor(USE_PDL)
@@ -173,14 +164,6 @@ def _decode_merge_kernel(
         out.to(out_ptr.dtype.element_ty),
         mask=offs_d < HEAD_DIM,
     )
-    # The row's last head to finish reads the row back (from the L2: the others' stores are ordered
-    # before by last_to_arrive; the row's heads are contiguous) and writes its FP8 codes and scale.
-    if CODES_OUT:
-        if last_to_arrive(arrivals_ptr + b, NUM_HEADS):
-            cols = tl.arange(0, ROW_BLOCK)
-            ok = cols < NUM_HEADS * HEAD_DIM
-            row = tl.load(out_ptr + b * stride_ob + cols, mask=ok, other=0.0, cache_modifier=".cg")
-            quantize_row_in_registers(row, codes_ptr + b * stride_cb + cols, ok, scales_ptr + b)
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int, block_n: int = BLOCK_N) -> int:
@@ -203,14 +186,11 @@ def paged_decode_attention(
     block_n: int = BLOCK_N,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    codes_out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, D] attends its sequence's cached context -> out [B, Hq, D] (q's dtype). k_scale /
     v_scale: the dequantization scales of an FP8 cache (1.0 otherwise). block_n, num_warps, num_stages:
     the split kernel's tile and launch options (Triton's defaults when None), for tuning benchmarks;
-    num_splits should then come from choose_num_splits(..., block_n). codes_out: (codes [B, Hq * D]
-    float8_e4m3fn, scales [B, 1] float32) that receive out quantized per row as well (fp8_quant.quantize_rows'
-    bits), written by the merge (num_splits > 1, out's rows contiguous) for an FP8 linear after it."""
+    num_splits should then come from choose_num_splits(..., block_n)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -219,8 +199,6 @@ def paged_decode_attention(
     check_kv_scales(k_cache, k_scale, v_scale)
     if out is None:
         out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
-    if codes_out is not None:
-        _check_codes_out(codes_out, out, num_splits)
     if batch == 0:
         return out
     whole = num_splits == 1  # no partials and no merge: at large batches every SM is busy anyway
@@ -242,29 +220,12 @@ def paged_decode_attention(
     )  # fmt: skip
     if whole:
         return out
-    codes, scales = codes_out if codes_out is not None else (out, out)
-    arrivals = arrival_counts(q.device, batch) if codes_out is not None else out
     _decode_merge_kernel[(batch, num_heads)](
-        part_out, part_lse, out, codes, scales, arrivals, out.stride(0), out.stride(1), codes.stride(0),
-        num_splits,
+        part_out, part_lse, out, out.stride(0), out.stride(1), num_splits,
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_PAD=next_power_of_2(num_splits),
-        CODES_OUT=codes_out is not None, ROW_BLOCK=next_power_of_2(num_heads * head_dim), **pdl_options(),
+        **pdl_options(),
     )  # fmt: skip
     return out
-
-
-def _check_codes_out(codes_out: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor, num_splits: int) -> None:
-    """What the merge's quantized rows need: a merge, whole contiguous rows, and buffers that fit."""
-    codes, scales = codes_out
-    batch, heads, dim = out.shape
-    if num_splits < 2:
-        raise ValueError("the quantized output comes from the merge: it needs num_splits > 1")
-    if out.stride(2) != 1 or out.stride(1) != dim:
-        raise ValueError(f"quantized output rows need out's heads contiguous, got strides {tuple(out.stride())}")
-    if codes.dtype != FP8_DTYPE or codes.shape != (batch, heads * dim) or codes.stride(1) != 1:
-        raise ValueError(f"codes must be {FP8_DTYPE} [{batch}, {heads * dim}], got {codes.dtype} {tuple(codes.shape)}")
-    if scales.dtype != torch.float32 or scales.shape != (batch, 1):
-        raise ValueError(f"scales must be float32 [{batch}, 1], got {scales.dtype} {tuple(scales.shape)}")
 
 
 def paged_decode_attention_reference(

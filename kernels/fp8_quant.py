@@ -10,6 +10,9 @@ The cast to e4m3 rounds to nearest, ties to even, on the GPU, as torch's does. U
 interpreter (the CPU tests), whose cast rounds half up, the kernels round to the e4m3 grid themselves
 first (_round_to_e4m3), so both give the codes torch gives.
 
+quantize_rows_with_amax(x, amax) takes the rows' amax from partial maxima that the kernel which made x
+found (activation.silu_and_mul_fp8 at a few rows), and spreads each row's codes over many programs.
+
 A row of up to MAX_ROW_IN_REGISTERS elements is read once and held in registers (amax and codes from
 the same values, warps chosen by its width: row_plan); a wider one is read twice in LOOP_BLOCK pieces
 (amax, then codes). The kernels that produce activations quantize their own rows with the same jitted
@@ -146,6 +149,41 @@ def _quantize_rows_kernel(
         for start in range(0, K, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             store_codes(tl.load(x_row + offs, mask=offs < K, other=0.0), scale, codes_row + offs, offs < K)
+
+
+@triton.jit
+def _quantize_pieces_kernel(
+    x_ptr, amax_ptr, codes_ptr, scales_ptr, K, stride_x, stride_codes,
+    PARTS: tl.constexpr, PARTS_BLOCK: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    wait_for_predecessor(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    parts = tl.arange(0, PARTS_BLOCK)
+    amax = tl.max(tl.load(amax_ptr + row * PARTS + parts, mask=parts < PARTS, other=0.0), axis=0)
+    scale = row_scale(amax)
+    if tl.program_id(1) == 0:
+        tl.store(scales_ptr + row, scale)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < K
+    store_codes(tl.load(x_ptr + row * stride_x + offs, mask=mask), scale, codes_ptr + row * stride_codes + offs, mask)
+
+
+def quantize_rows_with_amax(x: torch.Tensor, amax: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] with partial maxima of its rows' magnitudes amax [M, P] (the row's amax the largest) ->
+    quantize_rows(x), over M x ceil(K / block) programs: where few rows leave one program a row on a few
+    SMs, the producer finds the amax across many programs and this kernel spreads the codes likewise."""
+    check_last_dim_contiguous("x", x)
+    if amax.dim() != 2 or amax.shape[0] != x.shape[0] or amax.dtype != torch.float32 or not amax.is_contiguous():
+        raise ValueError(f"amax must be contiguous float32 [M={x.shape[0]}, parts], got {tuple(amax.shape)} {amax.dtype}")
+    codes = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
+    if x.shape[0]:
+        parts = amax.shape[1]
+        _quantize_pieces_kernel[(x.shape[0], triton.cdiv(x.shape[1], block))](
+            x, amax, codes, scales, x.shape[1], x.stride(0), codes.stride(0),
+            PARTS=parts, PARTS_BLOCK=next_power_of_2(parts), BLOCK=block, **pdl_options(),
+        )  # fmt: skip
+    return codes, scales
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,7 +28,6 @@ its pipeline then requests its first stages of weights and x together.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -43,7 +42,6 @@ from .common import (
     dot_precision,
     last_to_arrive,
     pdl_options,
-    prefetch_lines_to_l2,
     wait_for_predecessor,
 )
 
@@ -123,21 +121,16 @@ def _accumulate(acc, w, x, USE_DOT: tl.constexpr, W_AS_A: tl.constexpr, FP16_OPE
 @triton.jit
 def _gemv_kernel(
     x_ptr, xs_ptr, w_ptr, scale_ptr, y_ptr, parts_ptr, arrivals_ptr,
-    pf0_ptr, pf0_lines, pf1_ptr, pf1_lines,
     M, N, K, K_PER_SPLIT, SPLITS,
     stride_xm, stride_wn, stride_ym,
     HAS_SCALE: tl.constexpr, USE_DOT: tl.constexpr, W_AS_A: tl.constexpr, FP16_OPERANDS: tl.constexpr,
     FP8_OPERANDS: tl.constexpr,
     X_PRESCALE: tl.constexpr, OUT_FACTOR: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr, PF_N: tl.constexpr = 0, PF_AT_START: tl.constexpr = False,
-    PF_EVICT_LAST: tl.constexpr = True,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    if PF_AT_START:
-        _prefetch(pf0_ptr, pf0_lines, pf1_ptr, pf1_lines, pid_n * SPLITS + pid_k, tl.num_programs(0) * SPLITS, PF_N,
-                  PF_EVICT_LAST)  # fmt: skip
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
@@ -188,18 +181,6 @@ def _gemv_kernel(
         if HAS_SCALE:
             acc = acc * w_scales[None, :]
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
-    if not PF_AT_START:
-        _prefetch(pf0_ptr, pf0_lines, pf1_ptr, pf1_lines, pid_n * SPLITS + pid_k, tl.num_programs(0) * SPLITS, PF_N,
-                  PF_EVICT_LAST)  # fmt: skip
-
-
-@triton.jit
-def _prefetch(pf0_ptr, pf0_lines, pf1_ptr, pf1_lines, share, num_shares, PF_N: tl.constexpr,
-              PF_EVICT_LAST: tl.constexpr):  # fmt: skip
-    if PF_N > 0:
-        prefetch_lines_to_l2(pf0_ptr, pf0_lines, share, num_shares, 128, PF_EVICT_LAST)
-    if PF_N > 1:
-        prefetch_lines_to_l2(pf1_ptr, pf1_lines, share, num_shares, 128, PF_EVICT_LAST)
 
 
 @triton.jit
@@ -283,12 +264,6 @@ def pick_config(m: int, n: int, k: int, weight_dtype: torch.dtype, fp8_x: bool =
     return GemvConfig(use_dot=True, block_n=16, block_k=256, num_stages=4)
 
 
-# EXPERIMENT: weight data_ptr -> tensors whose bytes this GEMV's programs ask the L2 for.
-L2_PREFETCH: dict[int, tuple[torch.Tensor, ...]] = {}
-_PF_AT_START = os.environ.get("TS_PF_AT", "end") == "start"
-_PF_EVICT_LAST = os.environ.get("TS_PF_POLICY", "last") == "last"
-
-
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
          config: GemvConfig | None = None, x_scale: torch.Tensor | None = None,
          out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -319,17 +294,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     # Without splits neither the partial sums nor the counts are read.
     parts = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if partial else y
     arrivals = arrival_counts(x.device, n_blocks) if partial else y
-    pf = [t.view(torch.uint8) for t in L2_PREFETCH.get(weight.data_ptr(), ())]
-    if len(pf) > 2:
-        raise ValueError(f"a GEMV prefetches at most 2 tensors, got {len(pf)}")
-    pf_args = []
-    for i in range(2):
-        pf_args += [pf[i], triton.cdiv(pf[i].numel(), 128)] if i < len(pf) else [y, 0]
     _gemv_kernel[(n_blocks, splits)](
-        x, xs_arg, weight, scale_arg, y, parts, arrivals, *pf_args,
-        m, n, k, k_per_split, splits, x.stride(0), weight.stride(0),
+        x, xs_arg, weight, scale_arg, y, parts, arrivals, m, n, k, k_per_split, splits, x.stride(0), weight.stride(0),
         y.stride(0),
-        PF_N=len(pf), PF_AT_START=_PF_AT_START, PF_EVICT_LAST=_PF_EVICT_LAST,
         HAS_SCALE=scale is not None, USE_DOT=cfg.use_dot, W_AS_A=cfg.w_as_a, FP16_OPERANDS=cfg.fp16_operands,
         FP8_OPERANDS=cfg.fp8_operands,
         X_PRESCALE=prescale, OUT_FACTOR=out_factor, PARTIAL=partial, EVEN_K=k % cfg.block_k == 0,

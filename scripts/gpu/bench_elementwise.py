@@ -8,8 +8,8 @@ and the share of the copy bandwidth (bytes read + written, measured in the same 
 - the per-token quantization alone (o_proj's input);
 - a greedy step's reduction over the logits: torch's argmax and bad-row max against kernels/greedy.py;
 - SiLU-and-mul's fused quantization and quantize_rows per row plan (fp8_quant.row_plan's two ways: the
-  row held in registers, or read twice in pieces), and SiLU's spread over programs (the row's last one
-  quantizes it: activation.SPREAD_MAX_ROWS, its default at a few rows).
+  row held in registers, or read twice in pieces), and SiLU's spread over programs in two launches
+  (activation.SPREAD_MAX_ROWS, its default at a few rows).
 Each figure is the median of 10 CUDA-graph replays of 10 launches (bench_gemv's time_ms). Correctness:
 every fused output and every launch setting is compared with the unfused composition (bit for bit)
 before it is timed; the unfused kernels are the references ("reference" in the table).
@@ -134,7 +134,7 @@ def norm_and_activation_cases(rows: int) -> list[tuple[str, Callable[[], object]
     def silu_fp8() -> tuple[torch.Tensor, torch.Tensor]:
         return activation.silu_and_mul_fp8(gate_up)
 
-    # SiLU's fused quantization one program a row (per row plan), or spread over programs (the last one's codes)
+    # SiLU's fused quantization one program a row (per row plan), or spread over programs in two launches
     # (activation.SPREAD_MAX_ROWS), at any number of rows
     one_program_a_row = with_settings(activation, {"SPREAD_MAX_ROWS": 0}, silu_fp8)
     spread = with_settings(activation, {"SPREAD_MAX_ROWS": 1 << 30}, silu_fp8)

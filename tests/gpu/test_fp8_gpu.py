@@ -91,26 +91,6 @@ def test_norm_and_activation_quantize_their_output_as_quantize_rows_does(m: int,
     same(activation.silu_and_mul_fp8(gate_up), activation.silu_and_mul(gate_up))
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8_DTYPE])
-@pytest.mark.parametrize("batch", [1, 16])
-def test_decode_merge_quantizes_its_output_as_quantize_rows_does(batch: int, cache_dtype: torch.dtype) -> None:
-    """o_proj's input from the decode merge (codes_out): each row's last head to finish writes the row's
-    codes and scale, bit for bit quantize_rows of the bf16 output, whichever program arrives last."""
-    from tokenspeed_kernels import decode_attention
-
-    gen = torch.Generator(device=CUDA).manual_seed(batch)
-    k = torch.randn(64, 16, 8, 128, device=CUDA, generator=gen).to(cache_dtype)
-    v = torch.randn(64, 16, 8, 128, device=CUDA, generator=gen).to(cache_dtype)
-    table = torch.randperm(64, device=CUDA, generator=gen).int()[: batch * 4].view(batch, 4)
-    seq_lens = torch.randint(1, 64, (batch,), device=CUDA, generator=gen, dtype=torch.int32)
-    q = torch.randn(batch, 32, 128, device=CUDA, generator=gen).bfloat16()
-    codes = torch.empty(batch, 32 * 128, dtype=FP8_DTYPE, device=CUDA)
-    scales = torch.empty(batch, 1, device=CUDA)
-    out = decode_attention.paged_decode_attention(q, k, v, table, seq_lens, 128**-0.5, 4, codes_out=(codes, scales))
-    want_codes, want_scales = quantize_rows(out.view(batch, -1))
-    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)) and torch.equal(scales, want_scales)
-
-
 @needs_scaled_mm
 @pytest.mark.parametrize("m", [1, 7, 64, 300])
 @pytest.mark.parametrize("static", [False, True])

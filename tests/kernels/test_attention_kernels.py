@@ -11,7 +11,6 @@ from tokenspeed_kernels.decode_attention import (
     paged_decode_attention,
     paged_decode_attention_reference,
 )
-from tokenspeed_kernels.fp8_quant import quantize_rows
 from tokenspeed_kernels.kv_write import write_kv, write_kv_reference
 from tokenspeed_kernels.page_table import flatten_block_tables, flatten_block_tables_reference
 from tokenspeed_kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_reference
@@ -87,33 +86,6 @@ def test_decode_reads_and_writes_strided_views(splits: int) -> None:
     paged_decode_attention(q, k, v, table, seq_lens, 0.25, splits, out=out)
     assert rel_err(out, paged_decode_attention_reference(q, k, v, table, seq_lens, 0.25)) < 1e-5
     assert rows[:, : 4 * 16].isnan().all()  # nothing written outside the view
-
-
-@pytest.mark.parametrize(("heads", "kv_heads", "dim", "dtype"), [(8, 2, 32, torch.float32), (4, 4, 24, torch.float16)])
-def test_decode_merge_writes_the_output_quantized_per_row(
-    heads: int, kv_heads: int, dim: int, dtype: torch.dtype
-) -> None:
-    """codes_out: each row's last head to finish in the merge writes the row's FP8 codes and scale, bit for
-    bit quantize_rows of the output (rows of [heads * dim], strided rows too), beside the output itself."""
-    gen = torch.Generator().manual_seed(heads + dim)
-    lengths = [1, 70, 131]
-    k, v, table = paged_cache(lengths, 8, kv_heads, dim, dtype, gen)
-    q = torch.randn(len(lengths), heads, dim, generator=gen).to(dtype)
-    seq_lens = torch.tensor(lengths, dtype=torch.int32)
-    width = heads * dim
-    rows = torch.full((len(lengths), width + 8), float("nan"), dtype=dtype)
-    out = rows[:, :width].view(len(lengths), heads, dim)
-    codes = torch.empty(len(lengths), width, dtype=torch.float8_e4m3fn)
-    scales = torch.empty(len(lengths), 1)
-    paged_decode_attention(q, k, v, table, seq_lens, dim**-0.5, 3, out=out, codes_out=(codes, scales))
-    assert rel_err(out, paged_decode_attention_reference(q, k, v, table, seq_lens, dim**-0.5)) < 2e-3
-    want_codes, want_scales = quantize_rows(out.reshape(len(lengths), width))
-    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
-    assert torch.equal(scales, want_scales)
-    with pytest.raises(ValueError, match="needs num_splits > 1"):
-        paged_decode_attention(q, k, v, table, seq_lens, dim**-0.5, 1, codes_out=(codes, scales))
-    with pytest.raises(ValueError, match="codes must be"):
-        paged_decode_attention(q, k, v, table, seq_lens, dim**-0.5, 3, codes_out=(codes[:, 1:], scales))
 
 
 def test_num_splits_heuristic() -> None:

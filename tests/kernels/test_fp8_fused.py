@@ -207,13 +207,22 @@ def test_silu_and_mul_fp8_equals_quantize_rows_of_silu_and_mul(
 def test_silu_and_mul_fp8_spread_over_programs_equals_quantize_rows_of_silu_and_mul(
     m: int, n: int, dtype: torch.dtype
 ) -> None:
-    """Up to SPREAD_MAX_ROWS rows wider than a program: the products in programs across the row, then the
-    row's codes from its last program to finish, in the same launch: the same bits."""
+    """Up to SPREAD_MAX_ROWS rows wider than a program: the products with a partial amax a program, then
+    their codes (fp8_quant.quantize_rows_with_amax), in programs across the row: the same bits."""
     assert m <= activation.SPREAD_MAX_ROWS and n > activation.BLOCK
     x = gate_up(m, n, dtype)
     got = silu_and_mul_fp8(x)
     assert_same_quantization(got, quantize_rows(silu_and_mul(x)))
     assert_close_to(got, silu_and_mul_reference(x))
+
+
+def test_quantize_rows_with_amax_equals_quantize_rows() -> None:
+    x = magnitudes(5, 700, 3).half()
+    parts = torch.stack([piece.float().abs().amax(dim=1) for piece in x.tensor_split(3, dim=1)], dim=1)
+    for block in (128, 256, 1024):
+        assert_same_quantization(fp8_quant.quantize_rows_with_amax(x, parts, block), quantize_rows(x))
+    with pytest.raises(ValueError, match="amax must be contiguous float32"):
+        fp8_quant.quantize_rows_with_amax(x, parts[:4], 256)
 
 
 @pytest.mark.parametrize("loop", [False, True])

@@ -14,7 +14,6 @@ from app.worker.attention.base import AttentionSpec
 from app.worker.attention.triton_backend import TritonAttentionBackend
 from app.worker.kv_cache import KVCache, KVCacheSpec
 from app.worker.model_runner import ModelRunner
-from app.worker.quantization.fp8 import Fp8Rows, quantize_rows
 from tests.support.model_factory import build_tiny_model
 from tests.unit.test_model_runner import Request, ScriptedScheduler, hf_greedy, make_settings, prompts_for
 
@@ -58,31 +57,6 @@ def test_triton_backend_matches_torch_backend(query_lens: list[int], seq_lens: l
     buffer = torch.full((n + 2, 4, 16), float("nan"))
     assert triton_backend.attend(0, q, meta, out=buffer[:n]).data_ptr() == buffer.data_ptr()
     assert torch.equal(buffer[:n], out) and buffer[n:].isnan().all()
-
-
-def test_decode_output_comes_quantized_when_asked() -> None:
-    """quantize_output: a decode split in pieces hands back its output quantized per token (Fp8Rows of
-    [T, heads * dim]: quantize_rows' bits, written by the merge); a prefill hands back the tensor."""
-    seq_lens, block_size = [5, 140, 70], 4  # contexts of several 64-token pieces
-    tables = torch.arange(3 * 40, dtype=torch.int32).view(3, 40)
-    ours, ref = twin_caches(3 * 40, block_size, seed=4)
-    quantizing, plain = TritonAttentionBackend(ours, SPEC), TritonAttentionBackend(ref, SPEC)
-    gen = torch.Generator().manual_seed(5)
-    q = torch.randn(3, 4, 16, generator=gen)
-    k, v = torch.randn(3, 2, 16, generator=gen), torch.randn(3, 2, 16, generator=gen)
-    decode = build_attention_batch(tables, [1, 1, 1], seq_lens, block_size)
-    meta = quantizing.plan(decode)
-    assert meta.decode and meta.num_splits > 1
-    rows = quantizing.forward(0, q, k, v, meta, quantize_output=True)
-    want = plain.forward(0, q, k, v, plain.plan(decode))
-    assert isinstance(rows, Fp8Rows) and rows.dtype == q.dtype
-    want_codes, want_scales = quantize_rows(want.reshape(3, 4 * 16))
-    assert torch.equal(rows.codes.view(torch.uint8), want_codes.view(torch.uint8))
-    assert torch.equal(rows.scales, want_scales)
-    prefill = build_attention_batch(tables, [1, 2, 1], seq_lens, block_size)
-    out = quantizing.forward(0, torch.cat([q, q[:1]]), torch.cat([k, k[:1]]), torch.cat([v, v[:1]]),
-                             quantizing.plan(prefill), quantize_output=True)  # fmt: skip
-    assert isinstance(out, torch.Tensor) and out.shape == (4, 4, 16)
 
 
 def test_capture_metadata_splits_for_the_longest_context() -> None:

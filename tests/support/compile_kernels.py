@@ -111,10 +111,6 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
             out.append((f"decode_attention {dtype} / {cache_dtype}",
                         lambda dq=dq, kc=kc, s=scale: decode_attention.paged_decode_attention(
                             dq, kc, kc.clone(), table, lens, 0.1, 3, k_scale=s, v_scale=s)))  # fmt: skip
-            codes = (torch.zeros(2, heads * dim, dtype=FP8), torch.zeros(2, 1))
-            out.append((f"decode_attention {dtype} / {cache_dtype} -> float8 rows",
-                        lambda dq=dq, kc=kc, s=scale, c=codes: decode_attention.paged_decode_attention(
-                            dq, kc, kc.clone(), table, lens, 0.1, 3, k_scale=s, v_scale=s, codes_out=c)))  # fmt: skip
             cu = torch.tensor([0, 1, 3], dtype=torch.int32)
             out.append((f"prefill_attention {dtype} / {cache_dtype}",
                         lambda q=q, kc=kc, cu=cu, s=scale: prefill_attention.paged_prefill_attention(

@@ -21,7 +21,6 @@ from app.worker.transfer import to_device, upload
 
 if TYPE_CHECKING:
     from app.worker.layers.rotary import Rope
-    from app.worker.quantization.fp8 import Fp8Rows
 
 
 @dataclass(frozen=True)
@@ -160,13 +159,9 @@ class AttentionBackend(ABC):
         v: torch.Tensor,
         meta: AttentionMetadata,
         rope: Rope | None = None,
-        quantize_output: bool = False,
-    ) -> torch.Tensor | Fp8Rows:
+    ) -> torch.Tensor:
         """q [T, Hq, D], k and v [T, Hkv, D] for the step's new tokens -> output [T, Hq, D]. rope: the
-        step's rotary embedding, applied to q and k first (None: they come rotated, or the model has none).
-        quantize_output: for an FP8 linear after it, the output may come quantized per token instead
-        (Fp8Rows over [T, Hq * D]: quantize_rows' codes and scales), where the backend's kernel writes them
-        in passing (the triton decode merge); elsewhere it comes as a tensor and the linear quantizes it."""
+        step's rotary embedding, applied to q and k first (None: they come rotated, or the model has none)."""
 
     def decode_kernel_name(self) -> str:
         """What runs decode steps (for the start-up log): the backend's own kernels unless it says."""

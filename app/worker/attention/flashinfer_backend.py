@@ -69,7 +69,6 @@ from app.worker.attention.triton_backend import (
 )
 from app.worker.kv_cache import KVCache, KVCacheSpec
 from app.worker.layers.rotary import Rope
-from app.worker.quantization.fp8 import Fp8Rows
 
 # flashinfer's split-KV scratch grows with the batch: a graph-mode tensor-core decode plan of 512
 # sequences asks for ~170 MB of it. Shared by every wrapper (their runs never overlap).
@@ -364,14 +363,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         v: torch.Tensor,
         meta: AttentionMetadata,
         rope: Rope | None = None,
-        quantize_output: bool = False,
-    ) -> torch.Tensor | Fp8Rows:
+    ) -> torch.Tensor:
         # xqa reads q contiguous: the rotation writes it so (a copy a layer less).
         q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if self.xqa_workspace is not None else None
         q = write_new_tokens(self.kv_cache, layer_idx, q, k, v, meta.batch.slot_mapping, rope, q_out)
-        if isinstance(meta, TritonAttentionMetadata):  # the triton decode kernels can quantize the output
-            assert self.triton is not None
-            return self.triton.attend(layer_idx, q, meta, quantize_output=quantize_output)
         return self.attend(layer_idx, q, meta)
 
     def attend(

@@ -120,7 +120,6 @@ class TorchAttentionBackend(AttentionBackend):
         v: torch.Tensor,
         meta: AttentionMetadata,
         rope: Rope | None = None,
-        quantize_output: bool = False,  # the output comes as a tensor (see AttentionBackend.forward)
     ) -> torch.Tensor:
         assert isinstance(meta, TorchAttentionMetadata)
         if rope is not None:

@@ -24,7 +24,6 @@ from app.worker.attention.base import AttentionBackend, AttentionBatch, Attentio
 from app.worker.kv_cache import KVCache
 from app.worker.layers.fused import kernel_module
 from app.worker.layers.rotary import Rope
-from app.worker.quantization.fp8 import FP8_DTYPE, Fp8Rows
 from app.worker.transfer import upload
 
 # SM count assumed off-GPU (the interpreter): it only shapes the split count.
@@ -114,28 +113,20 @@ class TritonAttentionBackend(AttentionBackend):
         v: torch.Tensor,
         meta: AttentionMetadata,
         rope: Rope | None = None,
-        quantize_output: bool = False,
-    ) -> torch.Tensor | Fp8Rows:
+    ) -> torch.Tensor:
         assert isinstance(meta, TritonAttentionMetadata)
         q = write_new_tokens(self.kv_cache, layer_idx, q, k, v, meta.batch.slot_mapping, rope)
-        return self.attend(layer_idx, q, meta, quantize_output=quantize_output)
+        return self.attend(layer_idx, q, meta)
 
     def attend(
-        self, layer_idx: int, q: torch.Tensor, meta: TritonAttentionMetadata, out: torch.Tensor | None = None,
-        quantize_output: bool = False,
-    ) -> torch.Tensor | Fp8Rows:  # fmt: skip
-        """The attention alone, over a cache that already holds the step's K/V. quantize_output: see
-        AttentionBackend.forward; the decode merge writes the codes (a decode split in pieces, no out)."""
+        self, layer_idx: int, q: torch.Tensor, meta: TritonAttentionMetadata, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The attention alone, over a cache that already holds the step's K/V."""
         batch = meta.batch
         k_cache, v_cache = self.kv_cache.k[layer_idx], self.kv_cache.v[layer_idx]
         scales = {"k_scale": self.kv_cache.k_scales[layer_idx], "v_scale": self.kv_cache.v_scales[layer_idx]}
         if meta.decode:
-            rows = None
-            if quantize_output and out is None and meta.num_splits > 1:
-                width = q.shape[1] * q.shape[2]
-                rows = Fp8Rows(torch.empty(q.shape[0], width, dtype=FP8_DTYPE, device=q.device),
-                               torch.empty(q.shape[0], 1, dtype=torch.float32, device=q.device), q.dtype)  # fmt: skip
-            attended = self._decode.paged_decode_attention(
+            return self._decode.paged_decode_attention(
                 q,
                 k_cache,
                 v_cache,
@@ -144,10 +135,8 @@ class TritonAttentionBackend(AttentionBackend):
                 self.spec.scale,
                 meta.num_splits,
                 out=out,
-                codes_out=None if rows is None else rows[:2],
                 **scales,
             )
-            return attended if rows is None else rows
         assert meta.cu_seqlens_q is not None
         return self._prefill.paged_prefill_attention(
             q,

@@ -31,10 +31,10 @@ from app.worker.layers import (
 )
 from app.worker.layers.linear import RowParallelLinear, local_kv_heads
 from app.worker.parallel import SINGLE, TensorParallel
-from app.worker.quantization.fp8 import Fp8Rows
 
 if TYPE_CHECKING:
     from app.worker.quantization import Fp8LinearMethod
+    from app.worker.quantization.fp8 import Fp8Rows
 
 
 @dataclass(frozen=True)
@@ -119,10 +119,8 @@ class DenseAttention(nn.Module):
         v = v.view(-1, d.num_kv_heads, d.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        # FP8: the attention's output may come quantized (the triton decode merge writes the codes)
-        quantize = self.o_proj.takes_quantized_rows()
-        out = attn.backend.forward(self.layer_idx, q, k, v, attn, rope, quantize_output=quantize)
-        return self.o_proj(out if isinstance(out, Fp8Rows) else out.reshape(-1, d.num_heads * d.head_dim))
+        out = attn.backend.forward(self.layer_idx, q, k, v, attn, rope)
+        return self.o_proj(out.reshape(-1, d.num_heads * d.head_dim))
 
 
 class DenseMLP(nn.Module):
@@ -177,7 +175,6 @@ class DenseModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata
     ) -> torch.Tensor:
-        _register_l2_prefetch(self.layers)  # EXPERIMENT
         hidden = self.embed_tokens(input_ids)
         rope = Rope(self.rotary, positions, hidden.dtype)
         residual = None
@@ -186,34 +183,6 @@ class DenseModel(nn.Module):
         if residual is None:  # no layers
             return self.norm(hidden)
         return self.norm.add_forward(hidden, residual)[0]
-
-
-def _register_l2_prefetch(layers: nn.ModuleList) -> None:
-    """EXPERIMENT: decode GEMVs ask the L2 for later weights after their own work. TS_PF_PLAN: "+"-separated
-    SRC>DST, SRC one of qkv, o, gate_up, down (a layer's GEMV), DST one of o, gate_up, down (the same layer's)
-    or next_qkv, next_o (the next layer's); pairs whose DST bytes exceed TS_PF_BUDGET_MB are left out."""
-    import os
-
-    from tokenspeed_kernels.gemv import L2_PREFETCH
-
-    budget = float(os.environ.get("TS_PF_BUDGET_MB", "44")) * 2**20
-    plan = [pair.split(">") for pair in os.environ.get("TS_PF_PLAN", "").split("+") if pair]
-    L2_PREFETCH.clear()
-
-    def weights(layer: nn.Module) -> dict[str, torch.Tensor]:
-        attn, mlp = layer.self_attn, layer.mlp
-        return {"qkv": attn.qkv_proj.weight, "o": attn.o_proj.weight, "gate_up": mlp.gate_up_proj.weight,
-                "down": mlp.down_proj.weight}  # fmt: skip
-
-    for i, layer in enumerate(layers):
-        here = weights(layer)
-        after = weights(layers[i + 1]) if i + 1 < len(layers) else {}
-        for src, dst in plan:
-            target = after.get(dst[5:]) if dst.startswith("next_") else here[dst]
-            if target is None or target.numel() * target.element_size() > budget:
-                continue
-            key = here[src].data_ptr()
-            L2_PREFETCH[key] = (*L2_PREFETCH.get(key, ()), target)
 
 
 # (fused parameter infix, checkpoint infix, shard id)

@@ -210,6 +210,23 @@ def unpipelined_loop(kernel) -> str | None:  # noqa: ANN001
     return None
 
 
+def count_unpipelined(cases: list[tuple[str, Callable[[], object]]]) -> int:
+    """For a fresh process (check_in_compiler_process): compiles each case's one kernel for sm_90 with PDL
+    on, prints the label and the problem of each whose loop does not stream (unpipelined_loop), and
+    returns how many."""
+    from tokenspeed_kernels.common import set_pdl
+
+    set_pdl(True)
+    failures = 0
+    for label, launch in cases:
+        (kernel,) = compile_for(90, launch)
+        problem = unpipelined_loop(kernel)
+        if problem:
+            failures += 1
+            print(f"{label}: {problem}")
+    return failures
+
+
 def check_in_compiler_process(function: str, timeout: float = 300) -> str:
     """Call function ("module:name", returning a count of failures as its exit status) in a fresh Python
     without TRITON_INTERPRET, where compile_for compiles for real; assert it found none. Its output."""

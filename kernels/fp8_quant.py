@@ -61,14 +61,14 @@ class RowPlan(NamedTuple):
     num_warps: int
 
 
-def row_plan(k: int, rows: int = FEW_ROWS + 1) -> RowPlan:
+def row_plan(k: int, few_rows: bool = False) -> RowPlan:
     """The whole row in registers when it fits (one read of it), else two passes over LOOP_BLOCK pieces.
-    Warps grow with the row, about 16 elements a thread up to 16 warps (8 for a few rows), so that a
-    program has enough loads in flight: at a few hundred rows there are only a few programs an SM."""
+    Warps grow with the row, about 16 elements a thread up to 16 warps (8 for few_rows: at most FEW_ROWS),
+    so that a program has enough loads in flight: at a few hundred rows there are only a few programs an SM."""
     if k > MAX_ROW_IN_REGISTERS:
         return RowPlan(LOOP_BLOCK, False, LOOP_WARPS)
     block = next_power_of_2(k)
-    return RowPlan(block, True, few_row_warps(block) if rows <= FEW_ROWS else min(16, max(4, block // 512)))
+    return RowPlan(block, True, few_row_warps(block) if few_rows else min(16, max(4, block // 512)))
 
 
 @triton.jit
@@ -194,7 +194,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
     scales = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
     if x.shape[0]:
-        plan = row_plan(x.shape[1], x.shape[0])
+        plan = row_plan(x.shape[1], few_rows=x.shape[0] <= FEW_ROWS)
         _quantize_rows_kernel[(x.shape[0],)](
             x, codes, scales, x.shape[1], x.stride(0), codes.stride(0),
             BLOCK=plan.block, ONE_PASS=plan.one_pass, num_warps=plan.num_warps, **pdl_options(),

@@ -65,7 +65,7 @@
 #                            caches, graphs vs eager) and of the pipelined steps (PDL included): ~60 s
 #   tests_fi_decode          the flashinfer backend's decode kernels (xqa included) against torch: ~30 s + JIT
 #   tests_fp8kv              GPU tests of the FP8 KV backends, flashinfer sampling and FP8 GEMMs: ~150 s
-#   tests_fp8w               GPU tests of the FP8 weights' GEMMs, GEMV and fused quantization: ~190 s
+#   tests_fp8w               GPU tests of the FP8 weights' GEMMs, GEMV and fused quantization: ~210 s
 #   pytest                   the GPU tests PYTEST_ARGS names (pytest's arguments, quoted as on a command line)
 #   tests_tp latency_tp      two GPUs (nvidia-h200-x2): TP=2 GPU tests; batch-1 decode at TP=1 and TP=2
 #   serving_dp               two GPUs: the appliance at 1 replica, then --data-parallel-size 2: ~300 s
@@ -263,7 +263,7 @@ for s in $STAGES; do
     pytest)  # PYTEST_ARGS is parsed as the shell would parse it, so that -k "a and b" stays one argument
       eval "pytest_args=(${PYTEST_ARGS:?PYTEST_ARGS names the tests})"
       stage pytest 240 python3 -m pytest -q -p no:cacheprovider "${pytest_args[@]}" ;;
-    tests_fp8w) stage tests_fp8w 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_gpu.py \
+    tests_fp8w) stage tests_fp8w 280 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_gpu.py \
       tests/gpu/test_gemv_gpu.py ;;
     tests_gemv) stage tests_gemv 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gemv_gpu.py \
       tests/gpu/test_pipeline_gpu.py ;;

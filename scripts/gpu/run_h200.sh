@@ -27,6 +27,8 @@
 #   latency_pdl              its GPU tests, then batch 1 and 4 (and batch 1 with FP8 weights), flashinfer, the
 #                            decode kernels launched with programmatic dependent launch (the default) and
 #                            without (bench_latency --no-pdl), side by side: ~150 s
+#   pdl_batches              the offline run's decode step (FP8 weights and KV, 1024-token prompts, flashinfer) with
+#                            PDL and without (--no-pdl) at PDL_BATCHES rows (default 64 256 512), two rounds: ~300 s
 #   pieces                   GPU tests of the piecewise CUDA graphs (prefill and mixed steps), then batch 1 and 4
 #                            (512-token prompts) with and without them: prefill time side by side: ~150 s
 #   latency_fp8              batch-1 flashinfer latency, bf16 weights then FP8 (quantized at load): ~70 s
@@ -80,7 +82,7 @@ export PYTHONUNBUFFERED=1
 MODEL=configs/models/llama-3.1-8b
 STAGES=${*:-roofline latency_triton tests latency_flashinfer latency_b32 offline hf tests_8b}
 KNOWN=" roofline latency_triton tests latency_flashinfer latency_b4 latency_pdl pieces latency_b32 offline offline_no_overlap latency_fp8 kv_pool \
-latency_fp8_triton offline_1000 offline_1000_g512 offline_1000_fp8 offline_1000_fp8kv offline_b1 profile_prefill profile_b1_fp8 profile_b1_bf16 profile_b4 pyspy_b4 pyspy_prefill hf tests_8b idle serving serving_eager_prefill tests_tp latency_tp serving_dp tests_fp8kv tests_fp8w tests_decode tests_fi_decode tests_gemv gemv gemv_chain attn attn_sweep elementwise scaled_mm overlap prefill_fp8 xqa_layout pytest "
+latency_fp8_triton pdl_batches offline_1000 offline_1000_g512 offline_1000_fp8 offline_1000_fp8kv offline_b1 profile_prefill profile_b1_fp8 profile_b1_bf16 profile_b4 pyspy_b4 pyspy_prefill hf tests_8b idle serving serving_eager_prefill tests_tp latency_tp serving_dp tests_fp8kv tests_fp8w tests_decode tests_fi_decode tests_gemv gemv gemv_chain attn attn_sweep elementwise scaled_mm overlap prefill_fp8 xqa_layout pytest "
 SERVING_MORE="stagger:4:0.5:32:128 b1:1:0:3:256"  # the serving stages' benchmarks after the first (serve_and_bench.sh)
 for s in $STAGES; do  # every name checked before anything runs
   [[ $KNOWN == *" $s "* ]] || { echo "unknown stage $s; known:$KNOWN"; exit 2; }
@@ -189,6 +191,17 @@ for s in $STAGES; do
       for b in 1 4; do latency latency_pdl_b$b flashinfer $b; latency latency_plain_b$b flashinfer $b --no-pdl; done
       latency latency_pdl_fp8_b1 flashinfer 1 --quantization fp8
       latency latency_plain_fp8_b1 flashinfer 1 --quantization fp8 --no-pdl ;;
+    pdl_batches)  # the offline run's decode (FP8 weights and KV) with PDL and without, at PDL_BATCHES, two rounds
+      wait $WARM
+      for round in 1 2; do
+        for b in ${PDL_BATCHES:-64 256 512}; do
+          for launch in pdl plain; do
+            no_pdl=(); [ "$launch" = plain ] && no_pdl=(--no-pdl)
+            latency "latency_${launch}_r${round}_b$b" flashinfer "$b" --quantization fp8 --kv-cache-dtype fp8_e4m3 \
+              --input-len 1024 --output-len 16 --max-cudagraph-capture-size "$b" "${no_pdl[@]}"
+          done
+        done
+      done ;;
     pieces)
       wait $WARM
       stage tests_pieces 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_backends_gpu.py \

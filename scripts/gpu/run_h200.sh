@@ -28,7 +28,7 @@
 #                            decode kernels launched with programmatic dependent launch (the default) and
 #                            without (bench_latency --no-pdl), side by side: ~150 s
 #   pdl_batches              the offline run's decode step (FP8 weights and KV, 1024-token prompts, flashinfer) with
-#                            PDL and without (--no-pdl) at PDL_BATCHES rows (default 64 256 512), two rounds: ~300 s
+#                            PDL and without (--no-pdl) at PDL_BATCHES rows (default 64 256 512), two rounds: ~480 s
 #   pieces                   GPU tests of the piecewise CUDA graphs (prefill and mixed steps), then batch 1 and 4
 #                            (512-token prompts) with and without them: prefill time side by side: ~150 s
 #   latency_fp8              batch-1 flashinfer latency, bf16 weights then FP8 (quantized at load): ~70 s

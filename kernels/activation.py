@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .common import FP8_DTYPE, pdl_options, sm_count, wait_for_predecessor
+from .common import FP8_DTYPE, pdl_options, wait_for_predecessor
 from .fp8_quant import quantize_row_in_registers, quantize_rows_with_amax, row_plan, row_scale, store_codes
 
 BLOCK = 1024
@@ -29,31 +29,16 @@ BLOCK = 1024
 # leaves most SMs idle. On the H200 at the 8B model's 14336 (scripts/gpu/bench_elementwise.py): 3.5 us
 # against 6.4 at 1 row, 3.9 against 6.4 at 16, 5.1 against 6.5 at 64. Read at each launch.
 SPREAD_MAX_ROWS = 64
-# Experiment: above SPREAD_MAX_ROWS, a row held in registers per program in turn over at most this many
-# programs an SM (0: one program a row), ROW_LOOP_WARPS warps (0: the row plan's).
-ROW_LOOP_PROGRAMS_PER_SM = 1
-ROW_LOOP_WARPS = 0
-
-
-@triton.jit
-def _load_gate_up(x_row, offs, mask, n_cols):
-    """gate and up at offs of a gate_up row (masked lanes 0)."""
-    return tl.load(x_row + offs, mask=mask, other=0.0), tl.load(x_row + n_cols + offs, mask=mask, other=0.0)
-
-
-@triton.jit
-def _silu_times(gate, up):
-    """SiLU(gate) * up in their dtype."""
-    g32 = gate.to(tl.float32)
-    silu = (g32 / (1.0 + tl.exp(-g32))).to(gate.dtype)
-    return silu * up
 
 
 @triton.jit
 def _silu_mul(x_row, offs, mask, n_cols):
     """SiLU(gate) * up at offs of a gate_up row, in its dtype (masked lanes 0)."""
-    gate, up = _load_gate_up(x_row, offs, mask, n_cols)
-    return _silu_times(gate, up)
+    gate = tl.load(x_row + offs, mask=mask, other=0.0)
+    up = tl.load(x_row + n_cols + offs, mask=mask, other=0.0)
+    g32 = gate.to(tl.float32)
+    silu = (g32 / (1.0 + tl.exp(-g32))).to(gate.dtype)
+    return silu * up
 
 
 @triton.jit
@@ -79,7 +64,6 @@ def _silu_and_mul_fp8_kernel(
     scales_ptr,
     stride_x,
     stride_c,
-    n_rows,
     n_cols,
     BLOCK: tl.constexpr,
     ONE_PASS: tl.constexpr,
@@ -89,17 +73,10 @@ def _silu_and_mul_fp8_kernel(
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     codes_row = codes_ptr + row * stride_c
-    if ONE_PASS:  # BLOCK covers the row; the program takes rows row, row + programs, ... in turn
+    if ONE_PASS:  # BLOCK covers the row
         offs = tl.arange(0, BLOCK)
-        mask = offs < n_cols
-        step = tl.num_programs(0)
-        gate, up = _load_gate_up(x_row, offs, mask, n_cols)
-        for r in range(row, n_rows, step):
-            # the next row's loads are in flight while this row's products are quantized
-            nxt = r + step
-            gate_next, up_next = _load_gate_up(x_ptr + nxt * stride_x, offs, mask & (nxt < n_rows), n_cols)
-            quantize_row_in_registers(_silu_times(gate, up), codes_ptr + r * stride_c + offs, mask, scales_ptr + r)
-            gate, up = gate_next, up_next
+        y = _silu_mul(x_row, offs, offs < n_cols, n_cols)
+        quantize_row_in_registers(y, codes_row + offs, offs < n_cols, scales_ptr + row)
     else:  # the products twice: cheaper than a round trip through memory
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, n_cols, BLOCK):
@@ -151,12 +128,9 @@ def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = torch.empty(x2.shape[0], 1, dtype=torch.float32, device=x.device)
     if x2.shape[0]:
         plan = row_plan(n)
-        programs = x2.shape[0]
-        if plan.one_pass and ROW_LOOP_PROGRAMS_PER_SM:
-            programs = min(programs, sm_count(x.device) * ROW_LOOP_PROGRAMS_PER_SM)
-        _silu_and_mul_fp8_kernel[(programs,)](
-            x2, codes, scales, x2.stride(0), codes.stride(0), x2.shape[0], n,
-            BLOCK=plan.block, ONE_PASS=plan.one_pass, num_warps=ROW_LOOP_WARPS or plan.num_warps, **pdl_options(),
+        _silu_and_mul_fp8_kernel[(x2.shape[0],)](
+            x2, codes, scales, x2.stride(0), codes.stride(0), n,
+            BLOCK=plan.block, ONE_PASS=plan.one_pass, num_warps=plan.num_warps, **pdl_options(),
         )  # fmt: skip
     return codes, scales
 

@@ -77,20 +77,6 @@ def check_rows(name: str, x: torch.Tensor) -> None:
         raise ValueError(f"{name} rows must hold contiguous [heads, dim], got strides {tuple(x.stride())}")
 
 
-# Streaming multiprocessors a device has (a few under Triton's interpreter, so that the CPU tests run the
-# kernels that spread rows over at most a few programs an SM with several rows a program).
-_sm_counts: dict[torch.device, int] = {}
-INTERPRETER_SMS = 3
-
-
-def sm_count(device: torch.device) -> int:
-    if INTERPRETING or device.type != "cuda":
-        return INTERPRETER_SMS
-    if device not in _sm_counts:
-        _sm_counts[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _sm_counts[device]
-
-
 # Per device: counts with which the programs of one kernel find the last of them to finish a piece of work,
 # which then does what needs all the pieces (the GEMV's split-K sums). Each kernel leaves its counts at
 # zero, and the next one starts after it ends (the forward pass runs on one stream; under PDL a kernel ends

@@ -58,16 +58,6 @@ ROW_PLANS = {
 }  # fmt: skip
 
 
-# SiLU-and-mul's fused quantization with its rows held in registers: one program a row, or each program
-# taking rows in turn (the next row's loads in flight while a row is quantized) over a few programs an SM.
-ROW_LOOPS = {
-    "one program a row": {"ROW_LOOP_PROGRAMS_PER_SM": 0},
-    **{f"rows in turn, {programs} a SM, {warps or 16} warps": {"ROW_LOOP_PROGRAMS_PER_SM": programs,
-                                                             "ROW_LOOP_WARPS": warps}
-       for programs, warps in ((1, 0), (2, 0), (1, 32), (2, 8), (4, 8))},
-}  # fmt: skip
-
-
 def with_settings(module: ModuleType, settings: dict[str, int], fn: Callable[[], T]) -> Callable[[], T]:
     """fn run with the module's launch settings (read at each launch) set, then restored."""
 
@@ -164,9 +154,6 @@ def norm_and_activation_cases(rows: int) -> list[tuple[str, Callable[[], object]
         *[(f"silu_and_mul_fp8, {name}", with_settings(fp8_quant, plan, one_program_a_row), 5 * i,
            same_codes(with_settings(fp8_quant, plan, one_program_a_row)(), unfused_silu))
           for name, plan in ROW_PLANS.items()],
-        *[(f"silu_and_mul_fp8, registers, {name}", with_settings(activation, loop, one_program_a_row), 5 * i,
-           same_codes(with_settings(activation, loop, one_program_a_row)(), unfused_silu))
-          for name, loop in ROW_LOOPS.items()],
         ("silu_and_mul_fp8, spread over programs", spread, 5 * i + 4 * i, same_codes(spread(), unfused_silu)),
         ("quantize_rows 4096", lambda: fp8_quant.quantize_rows(x), 3 * h, None),
         *[(f"quantize_rows 14336, {name}", with_settings(fp8_quant, plan, quantize_wide), 3 * i,

@@ -43,7 +43,9 @@ from .common import (
     wait_for_predecessor,
 )
 
-FP8_MAX = 448.0  # the largest finite e4m3 value; the cast alone does not saturate on the GPU
+# The largest finite e4m3 value; codes are clamped to it. The interpreter's cast does not saturate; on the
+# GPU (sm_89+) the cast is cvt.rn.satfinite, which saturates finite values too.
+FP8_MAX = 448.0
 MIN_AMAX = 1e-12  # an all-zero row still gets a positive scale
 # The widest row a program holds in registers: 16384 elements at 16 warps are 32 a thread (the 8B
 # model's 14336-wide MLP rows fit). Read at each launch, so tests can lower it to run the loop.

@@ -1,4 +1,4 @@
-"""The `tokenspeed` command: serve, config show, config schema, version."""
+"""The `tokenspeed` command: serve, download, warmup, config show, config schema, version."""
 
 from __future__ import annotations
 
@@ -29,6 +29,10 @@ def _top_parser() -> argparse.ArgumentParser:
                                      "LLM server configured by flags, TOKENSPEED_* variables and recipes.")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
     commands.add_parser("serve", help="start the server: tokenspeed serve [MODEL] [flags] (see serve --help)")
+    commands.add_parser("download", help="fetch a Hub model into the cache ahead of serve: tokenspeed download "
+                        "MODEL [--revision R] (see download --help)")
+    commands.add_parser("warmup", help="build the kernels serve needs into the kernel caches: tokenspeed warmup "
+                        "[MODEL] [serve flags] (see warmup --help)")
     commands.add_parser("config", help="config show: the resolved configuration; config schema: recipe schema")
     commands.add_parser("version", help="print the version")
     return parser
@@ -54,6 +58,18 @@ def _serve(argv: Sequence[str]) -> int:
     from app.supervisor import serve  # imported late: the supervisor pulls in the whole runtime
 
     return int(serve(settings))
+
+
+def _download(argv: Sequence[str]) -> int:
+    from app.download import run  # imported late: it pulls in huggingface_hub
+
+    return run(argv)
+
+
+def _warmup(argv: Sequence[str]) -> int:
+    from app.warmup import run  # imported late: it pulls in torch
+
+    return run(argv)
 
 
 def _config_show(argv: Sequence[str]) -> int:
@@ -101,7 +117,9 @@ def _usage(parser: argparse.ArgumentParser, argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands: dict[str, Callable[[Sequence[str]], int]] = {"serve": _serve, "config": _config, "version": _version}
+    commands: dict[str, Callable[[Sequence[str]], int]] = {
+        "serve": _serve, "download": _download, "warmup": _warmup, "config": _config, "version": _version,
+    }
     try:
         if argv and argv[0] in commands:
             return commands[argv[0]](argv[1:])

@@ -276,6 +276,17 @@ class Shutdown:
     reason: str = ""
 
 
+@dataclass(slots=True)
+class StartupPhase:
+    """A process -> the supervisor -> http: a start-up phase began (done False) or ended after `seconds`;
+    /readiness shows where start-up is (app/startup_phases.py)."""
+
+    name: str  # the process: worker0, supervisor, ...
+    phase: str
+    seconds: float = 0.0
+    done: bool = False
+
+
 # ---------------------------------------------------------------- codec
 
 MESSAGE_TYPES: list[type] = [
@@ -299,6 +310,7 @@ MESSAGE_TYPES: list[type] = [
     ProcessReady,
     EngineReady,
     Shutdown,
+    StartupPhase,
 ]
 _TAG_OF: dict[type, int] = {cls: i for i, cls in enumerate(MESSAGE_TYPES)}
 _FIELDS: dict[type, tuple[str, ...]] = {

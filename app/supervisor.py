@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from app import ipc, lifecycle
+from app import ipc, lifecycle, model_files, startup_phases
 from app import protocol as p
 from app.ipc import Endpoints
 from app.topology import Topology
@@ -61,6 +61,8 @@ class Supervisor:
         self._wake_r, self._wake_w = os.pipe()
         self.failure: str | None = None  # why the appliance is coming down, once a child failed
         self.topology = Topology.from_settings(settings)
+        self.phase_seconds: dict[str, float] = {}  # the supervisor's own start-up phases (download)
+        self._http_push: zmq.Socket | None = None  # start-up phases go on to http, for /readiness
 
     def request_stop(self) -> None:
         self.stop_requested = True
@@ -124,7 +126,14 @@ class Supervisor:
                 if isinstance(msg, p.ProcessReady):
                     self.ready_info[msg.name] = msg.info
                     log.info("%s is ready", msg.name)
+                elif isinstance(msg, p.StartupPhase):
+                    self._forward_phase(msg)
         return True
+
+    def _forward_phase(self, msg: p.StartupPhase) -> None:
+        if self._http_push is None:
+            self._http_push = ipc.connect_push(self.ctx, self.endpoints.inbox("http"))
+        ipc.send(self._http_push, msg)
 
     def announce_ready(self, started: float) -> None:
         if not self.topology.head:  # a worker node: its health endpoint turns ready
@@ -137,6 +146,7 @@ class Supervisor:
         worker = self.ready_info.get(self.topology.worker_name(0, 0), {})
         # The model's figures win (its vocab is often padded past the tokenizer's).
         info = {**self.ready_info.get("tokenizer", {}), **worker, "startup_seconds": time.time() - started}
+        info["startup_phases"] = {**self.phase_seconds, **worker.get("startup_phases", {})}
         # The tokenizer records per-request metrics under this name when metrics are on.
         info["served_model_name"] = self.settings.served_model_name
         info["enable_metrics"] = bool(self.settings.enable_metrics)
@@ -145,7 +155,8 @@ class Supervisor:
         ipc.send(push, p.EngineReady(info))
         push.close(linger=1000)
         s = self.settings
-        log.info("ready on http://%s:%d in %.1f s (serving %s)", s.host, s.port, info["startup_seconds"], s.served_model_name)
+        log.info("ready on http://%s:%d in %.1f s (serving %s); start-up phases: %s", s.host, s.port,
+                 info["startup_seconds"], s.served_model_name, startup_phases.summary(info["startup_phases"]))
 
     # ------------------------------------------------------------------ watch and stop
 
@@ -234,7 +245,16 @@ def serve(settings) -> int:
     """Run the appliance until a signal (exit 0) or a child failure (exit 1)."""
     lifecycle.configure_logging(settings.log_level, "supervisor")
     started = time.time()
+    clock = startup_phases.StartupClock("supervisor")
+    clock.enter("download")  # once per node, before any child starts: they read the cached copy
+    try:
+        model_files.prepare(settings)
+    except (model_files.ModelUnavailable, ValueError) as exc:
+        clock.done()
+        log.error("%s", exc, exc_info=settings.log_level == "debug")
+        return 1
     sup = Supervisor(settings)
+    sup.phase_seconds = clock.done()
 
     def request_stop(signum, _frame) -> None:
         log.info("received %s: shutting down", signal.Signals(signum).name)

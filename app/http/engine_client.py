@@ -28,9 +28,11 @@ from app.protocol import (
     GenerateRequest,
     ProtocolError,
     Shutdown,
+    StartupPhase,
     TextDelta,
     TextDeltas,
 )
+from app.startup_phases import StartupProgress
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +89,7 @@ class BaseEngineClient(abc.ABC):
     def __init__(self, on_shutdown: Callable[[str], None] | None = None) -> None:
         self.ready = False
         self.info: dict[str, Any] = {}
+        self.startup = StartupProgress()  # where start-up is, for /readiness until ready
         self.on_shutdown = on_shutdown
         self._sinks: dict[str, tuple[Submission, DeltaSink]] = {}
         self._controls: dict[str, asyncio.Future[ControlReply]] = {}
@@ -185,6 +188,8 @@ class BaseEngineClient(abc.ABC):
             self.info = dict(msg.info)
             self.ready = True
             log.info("engine ready: %s", self.info)
+        elif isinstance(msg, StartupPhase):
+            self.startup.apply(msg)
         elif isinstance(msg, Shutdown):
             log.info("shutdown requested by the supervisor: %s", msg.reason or "no reason given")
             if self.on_shutdown is not None:

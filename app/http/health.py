@@ -1,5 +1,5 @@
 """Health routes: /health and /liveness (the process runs), /readiness (the engine is ready and we are
-not draining), /health_generate (a real one-token greedy generation through the whole engine)."""
+not draining; while starting, its 503 names the start-up phase), /health_generate (a real one-token greedy generation through the whole engine)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ async def readiness(request: Request) -> Response:
     if reason is None:
         return JSONResponse({"status": "ready"})
     body = {"status": reason} if reason in ("draining", "not ready") else {"status": "not ready", "reason": reason}
+    if reason == "not ready":  # still starting: say which phase (app/startup_phases.py)
+        body.update(state.client.startup.as_json())
     return JSONResponse(body, status_code=503, headers={"Retry-After": RETRY_AFTER_S})
 
 

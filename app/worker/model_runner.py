@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from app.protocol import NewSeq, SamplingParams, SeqChunk, StepPlan, StepResult, TokenLogprobs, WorkerReady
+from app.startup_phases import StartupClock
 from app.worker.attention import (
     backend_class,
     build_attention_batch,
@@ -152,10 +153,15 @@ class PendingStep:
 
 
 class ModelRunner:
-    def __init__(self, settings: Any, device: torch.device, tp: TensorParallel = SINGLE) -> None:
+    def __init__(self, settings: Any, device: torch.device, tp: TensorParallel = SINGLE,
+                 clock: StartupClock | None = None, build_kernels: bool = False) -> None:
         self.settings = settings
         self.device = torch.device(device)
         self.tp = tp  # this rank's tensor-parallel group (app/worker/parallel.py); SINGLE without TP
+        # Start-up phases, logged and reported (app/startup_phases.py); warmup() ends the last one.
+        self.clock = clock or StartupClock(f"worker{tp.rank}", tick_s=0)
+        self.clock.enter("weights")
+        self.build_kernels = build_kernels  # the default backend may build flashinfer's JIT kernels (warmup)
         started = time.perf_counter()
         if self.device.type == "cuda":
             if self.device.index is None:  # "cuda": the current device, named (set_device needs an index)
@@ -201,6 +207,7 @@ class ModelRunner:
             self.max_num_seqs,
             seed=settings.seed,
         )
+        self.clock.enter("kernels")
         self.attention_backend_name = resolve_attention_backend(
             settings.attention_backend, self.device, self.dtype, self.model.attention_spec.head_dim
         )
@@ -213,7 +220,7 @@ class ModelRunner:
         self.graph_sizes = self._graph_sizes()
         self.piece_sizes = self._piece_sizes()
         self.graph_reserve_bytes = 0
-        pool_started = time.perf_counter()
+        self.clock.enter("memory_profile")
         self.pool = self._agree_pool(self._size_pool())
         # One block beyond the scheduler's pool: the scratch block that CUDA-graph pad rows write to.
         self.scratch_block = self.pool.num_blocks
@@ -225,23 +232,17 @@ class ModelRunner:
             self.kv_quant.k_scales,
             self.kv_quant.v_scales,
         )
-        kv_pool_seconds = time.perf_counter() - pool_started
         self.attention = make_attention_backend(
             self.attention_backend_name, self.kv_cache, self.model.attention_spec
         )
         self.slots = SlotState(
             self.max_num_seqs, math.ceil(self.max_model_len / self.block_size), self.device
         )
+        self.clock.enter("graph_capture")
         self.graphs = self._capture_graphs()
         self.pieces = self._capture_pieces()
         self._check_graph_memory()
         self.plan_fence = PlanFence(self.device)  # eager steps' attention plans (graphs keep their own)
-        # Start-up time by phase, in seconds (tokenspeed:startup_time_seconds); warmup() adds its own.
-        self.startup_phases = {
-            "weights": self.load_seconds,
-            "kv_pool": kv_pool_seconds,
-            "graphs": sum(g.capture_seconds for g in self._captured()),
-        }
         logger.info(
             "start-up: weights %.2f GiB, CUDA graphs %.2f GiB, KV pool %d tokens (%d blocks of %d, %.2f GiB); "
             "max concurrency at max_model_len=%d: %.2fx; attention backend %s (decode kernel %s)",
@@ -277,16 +278,18 @@ class ModelRunner:
         return wanted and usable
 
     def _flashinfer_or_triton(self) -> str:
-        """The default flashinfer backend only if its kernels load here (a cached JIT build, or nvcc to
-        build them); else triton, said in the log. An explicit --attention-backend flashinfer fails instead."""
+        """The default flashinfer backend only if its kernels are in the JIT cache (a start compiles nothing:
+        a build takes minutes; `tokenspeed warmup` builds them, with build_kernels); else triton, said in the
+        log. An explicit --attention-backend flashinfer builds what it lacks, or fails."""
         from app.worker.attention.flashinfer_backend import kernels_unavailable
 
-        problem = kernels_unavailable(self.model.attention_spec, self.kv_dtype, self.device, self.block_size)
+        problem = kernels_unavailable(self.model.attention_spec, self.kv_dtype, self.device, self.block_size,
+                                      build=self.build_kernels)
         if not self.tp.failed_ranks(problem is None):  # TP ranks agree on one backend
             return "flashinfer"
-        logger.warning("flashinfer's attention kernels cannot be loaded or built on every rank (here: %s): "
-                       "using the triton backend; docs/deploy.md says how to ship a flashinfer kernel cache",
-                       problem or "fine")
+        logger.warning("flashinfer's attention kernels are not in its JIT cache or cannot be loaded on every rank "
+                       "(here: %s): using the triton backend; `tokenspeed warmup` builds them into the cache "
+                       "(docs/deploy.md)", problem or "fine")
         return "triton"
 
     def _build_model(self, model_dir: Any) -> DenseCausalLM:
@@ -295,7 +298,7 @@ class ModelRunner:
             quant = Fp8LinearMethod(self.quant_scheme) if self.quant_scheme is not None else None
             model = cls(self.config, self.dtype, self.max_model_len, quant=quant, tp=self.tp)
         model.to(self.device)  # the RoPE tables are built on the CPU
-        fmt = load_weights(model, model_dir, self.settings.load_format)
+        fmt = load_weights(model, model_dir, self.settings.load_format, self.clock.progress)
         model.eval()
         self.weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         logger.info(
@@ -597,14 +600,14 @@ class ModelRunner:
                 "cuda_graph_gb": round(self._graph_bytes() / 1e9, 3),
                 "quantization": self.quant_scheme.describe() if self.quant_scheme is not None else "none",
                 "kv_cache_dtype": self.kv_quant.describe(),
-                "startup_phases": {phase: round(s, 3) for phase, s in self.startup_phases.items()},
+                "startup_phases": {phase: round(s, 3) for phase, s in self.clock.seconds.items()},
             },
         )
 
     def warmup(self) -> None:
         """A tiny real prefill + decode through slot 0, sampled greedily (no RNG draw); the slot
-        is released afterwards, so nothing of it is visible to the first real step."""
-        started = time.perf_counter()
+        is released afterwards, so nothing of it is visible to the first real step. It ends start-up."""
+        self.clock.enter("warmup")
         prompt_len = max(1, min(8, self.max_model_len - 1))
         steps = 2 if prompt_len < self.max_model_len else 1
         num_blocks = math.ceil((prompt_len + steps - 1) / self.block_size)
@@ -625,7 +628,7 @@ class ModelRunner:
             self.execute(plan)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.startup_phases["warmup"] = time.perf_counter() - started
+        self.clock.done()
 
     # ------------------------------------------------------------------ steps
 

@@ -32,6 +32,7 @@ import zmq
 from app import ipc, lifecycle
 from app import protocol as p
 from app.ipc import Endpoints
+from app.startup_phases import StartupClock
 from app.topology import Topology, WorkerPlace
 from app.worker.faults import FaultInjector
 
@@ -90,6 +91,10 @@ def run_worker(settings, endpoints: Endpoints, place: WorkerPlace | None = None,
     ranks follow the messages it relays (app/worker/parallel.py)."""
     place = place or WorkerPlace(0, 0, 1, 0, "worker0")
     lifecycle.init_child(place.name, settings.log_level)
+    ctx = zmq.Context()
+    phases = ipc.connect_push(ctx, endpoints.inbox("supervisor"))  # start-up phases, for /readiness
+    clock = StartupClock(place.name, lambda msg: ipc.send(phases, msg))
+    clock.enter("init")  # imports, the device, the TP group
     import torch
 
     from app.worker.model_runner import ModelRunner
@@ -101,13 +106,12 @@ def run_worker(settings, endpoints: Endpoints, place: WorkerPlace | None = None,
     else:
         set_cpu_threads(torch, Topology.from_settings(settings).per_node)
     tp = TensorParallel.join(place.rank, place.tp_size, device, init_method)
-    runner = ModelRunner(settings, device, tp)
+    runner = ModelRunner(settings, device, tp, clock)
     runner.warmup()
     ready = runner.ready_message()
     log.info("%s ready on %s: %s", place.name, device, ready.info)
 
     heartbeat = lifecycle.Heartbeat.attach(endpoints.runtime_dir, place.name)
-    ctx = zmq.Context()
     lifecycle.on_sigterm(lambda: os._exit(0))  # nothing to flush: device state dies with us
     try:
         with torch.inference_mode():

@@ -17,6 +17,7 @@ import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
+from app.startup_phases import PHASES
 from tests.support.appliance import Appliance
 
 BLOCK = 4
@@ -48,6 +49,20 @@ def app(tiny_model_dirs, log_dir, events_dir):
              "64", "--kv-events-config", json.dumps(events))
     with Appliance(tiny_model_dirs["llama"], *flags, log_dir=log_dir) as appliance:
         yield appliance
+
+
+def test_start_up_phases_are_logged_reported_and_summed_up(app: Appliance) -> None:
+    logs = app.logs()
+    for phase in PHASES[1:]:  # the worker's; download is the supervisor's
+        assert f"start-up phase {phase}: started" in logs, phase
+        assert re.search(rf"start-up phase {phase}: done in \d+\.\d s", logs), phase
+    assert re.search(r"ready on http://\S+ in [\d.]+ s \(serving .*\); start-up phases: download [\d.]+ s, "
+                     r"init [\d.]+ s, weights [\d.]+ s, kernels [\d.]+ s, memory_profile [\d.]+ s, graph_capture [\d.]+ s, "
+                     r"warmup [\d.]+ s", logs)
+    # Until ready, /readiness said where start-up was.
+    assert app.unready, "the appliance was ready at its first /readiness"
+    assert {body["phase"] for body in app.unready} <= {"starting", *PHASES}
+    assert all(body["status"] == "not ready" for body in app.unready)
 
 
 def generate(app: Appliance, ids: list[int], max_new: int, **extra) -> dict:
@@ -122,7 +137,7 @@ def test_metrics_count_a_known_workload(app) -> None:
         assert again[f"tokenspeed:{name}"].type == kind, name
     assert {s.labels["dp_rank"] for s in again["tokenspeed:num_requests_running"].samples} == {"0"}
     phases = {s.labels["phase"]: s.value for s in again["tokenspeed:startup_time_seconds"].samples}
-    assert set(phases) == {"weights", "kv_pool", "graphs", "warmup", "total"}
+    assert set(phases) == {*PHASES, "total"}
     assert phases["total"] >= phases["weights"] > 0
     bucket_bounds = [float(s.labels["le"]) for s in again["tokenspeed:inter_token_latency_seconds"].samples
                      if s.name.endswith("_bucket") and s.labels["le"] != "+Inf"]

@@ -33,6 +33,7 @@ class Appliance:
             cmd, cwd=REPO, env=full_env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
         )
         self.children: list[psutil.Process] = []
+        self.unready: list[dict] = []  # the 503 bodies /readiness gave while starting
 
     def wait_ready(self, timeout: float = 180.0) -> Appliance:
         deadline = time.monotonic() + timeout
@@ -40,10 +41,12 @@ class Appliance:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"appliance exited with {self.proc.returncode}:\n{self.logs()[-4000:]}")
             try:
-                if httpx.get(f"{self.base_url}/readiness", timeout=2).status_code == 200:
+                r = httpx.get(f"{self.base_url}/readiness", timeout=2)
+                if r.status_code == 200:
                     self.children = psutil.Process(self.proc.pid).children(recursive=True)
                     return self
-            except httpx.HTTPError:
+                self.unready.append(r.json())
+            except (httpx.HTTPError, ValueError):
                 pass
             time.sleep(0.25)
         self.kill()

@@ -12,7 +12,7 @@ from pydantic import SecretStr
 
 from app.http import control
 from app.http.server import build_app
-from app.protocol import FINISH_ABORT, ControlReply, TextDelta
+from app.protocol import FINISH_ABORT, ControlReply, StartupPhase, TextDelta
 from tests.unit.test_http_fakes import (
     INFO,
     MODEL,
@@ -50,9 +50,21 @@ async def test_health_and_readiness() -> None:
         assert (await c.get("/health")).text == "OK"
         assert (await c.get("/liveness")).status_code == 200
         before = await c.get("/readiness")
+        engine._dispatch(StartupPhase("worker0", "weights"))
+        engine._dispatch(StartupPhase("worker0", "weights", 2.5, True))
+        engine._dispatch(StartupPhase("worker0", "kernels"))
+        engine._dispatch(StartupPhase("worker1", "weights"))
+        during = await c.get("/readiness")
         engine.become_ready()
         after = await c.get("/readiness")
-    assert before.status_code == 503 and before.json() == {"status": "not ready"}
+    assert before.status_code == 503 and before.json()["status"] == "not ready"
+    assert before.json()["phase"] == "starting" and before.headers["Retry-After"]
+    body = during.json()
+    assert during.status_code == 503 and body["status"] == "not ready"
+    # The phase readiness waits on is the earliest any process is in; finished phases keep their seconds.
+    assert (body["phase"], body["processes"], body["phase_seconds"]) == (
+        "weights", {"worker0": "kernels", "worker1": "weights"}, {"weights": 2.5})
+    assert body["elapsed_seconds"] >= 0
     assert after.status_code == 200 and after.json() == {"status": "ready"}
 
 

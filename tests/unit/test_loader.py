@@ -201,26 +201,3 @@ def test_local_model_path(qwen2_dir: Path, tmp_path: Path) -> None:
         resolve_model_path(str(qwen2_dir), revision="main")
     with pytest.raises(ValueError, match="is a file"):
         resolve_model_path(str(qwen2_dir / "config.json"))
-
-
-def test_hub_ids_are_downloaded_with_the_needed_files_only(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    import huggingface_hub
-
-    calls: list[dict] = []
-
-    def fake_snapshot_download(**kwargs: object) -> str:
-        calls.append(kwargs)
-        return str(tmp_path)
-
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
-    got = resolve_model_path("org/model", "auto", revision="v1", download_dir="/cache")
-    assert got == tmp_path
-    call = calls[0]
-    assert (call["repo_id"], call["revision"], call["cache_dir"]) == ("org/model", "v1", "/cache")
-    assert "*.safetensors" in call["allow_patterns"] and "*.bin" not in call["allow_patterns"]
-    resolve_model_path("org/model", "pt", trust_remote_code=True)
-    assert {"*.bin", "*.py"} <= set(calls[1]["allow_patterns"])
-    resolve_model_path("org/model", "dummy")
-    assert "*.safetensors" not in calls[2]["allow_patterns"] and "*.json" in calls[2]["allow_patterns"]

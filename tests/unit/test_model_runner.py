@@ -388,18 +388,47 @@ def test_default_model_greedy_parity() -> None:
 
 
 def test_default_flashinfer_falls_back_to_triton_when_its_kernels_cannot_load(monkeypatch, caplog) -> None:
-    """The runtime image has no nvcc: without a flashinfer kernel cache the default backend is triton."""
+    """A start builds no flashinfer kernel: without them in its cache the default backend is triton;
+    warmup (build_kernels) lets the probe build them."""
     from types import SimpleNamespace
 
     from app.worker.attention import flashinfer_backend
     from app.worker.parallel import SINGLE
 
     runner = SimpleNamespace(model=SimpleNamespace(attention_spec=None), kv_dtype=torch.bfloat16, device=CPU,
-                             tp=SINGLE, block_size=32)
+                             tp=SINGLE, block_size=32, build_kernels=False)
     probed = []
-    monkeypatch.setattr(flashinfer_backend, "kernels_unavailable", lambda *args: probed.append(args[3]))
+    monkeypatch.setattr(flashinfer_backend, "kernels_unavailable",
+                        lambda *args, build: probed.append((args[3], build)))
     assert ModelRunner._flashinfer_or_triton(runner) == "flashinfer"
-    assert probed == [32]  # the probe runs at the runner's block size
-    monkeypatch.setattr(flashinfer_backend, "kernels_unavailable", lambda *_: "RuntimeError: nvcc not found")
+    runner.build_kernels = True
+    assert ModelRunner._flashinfer_or_triton(runner) == "flashinfer"
+    assert probed == [(32, False), (32, True)]  # the probe runs at the runner's block size
+    monkeypatch.setattr(flashinfer_backend, "kernels_unavailable", lambda *_, build: "RuntimeError: nvcc not found")
     assert ModelRunner._flashinfer_or_triton(runner) == "triton"
     assert "nvcc not found" in caplog.text and "using the triton backend" in caplog.text
+    assert "`tokenspeed warmup` builds them" in caplog.text
+
+
+def test_refusing_jit_builds_loads_compiled_kernels_and_builds_none() -> None:
+    """The probe's guard: a kernel compiled in the cache goes through flashinfer's build (ninja's no-op
+    check, then load); one that is not raises instead of compiling, and the guard undoes itself."""
+    from app.worker.attention.flashinfer_backend import KernelsNotCached, refusing_jit_builds
+
+    class Spec:  # flashinfer.jit.core.JitSpec's part the guard uses
+        built: list[str] = []
+
+        def __init__(self, name: str, compiled: bool) -> None:
+            self.name, self.is_compiled = name, compiled
+
+        def build(self, verbose: bool, need_lock: bool = True) -> None:
+            Spec.built.append(self.name)
+
+    original = Spec.build
+    with refusing_jit_builds(Spec):
+        Spec("cached", True).build(False, need_lock=False)
+        with pytest.raises(KernelsNotCached, match="kernel missing is not in flashinfer's JIT cache"):
+            Spec("missing", False).build(False)
+    assert Spec.build is original and Spec.built == ["cached"]
+    Spec("missing", False).build(False)
+    assert Spec.built == ["cached", "missing"]

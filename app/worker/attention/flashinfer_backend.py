@@ -48,6 +48,8 @@ Works with flashinfer-python 0.6.1 and 0.7.x (same wrapper constructors, plan an
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -423,25 +425,55 @@ def probe_batches(block_size: int, device: torch.device) -> tuple[int, list[Atte
     return 2 * width, [build_attention_batch(table, list(q), list(PROBE_SEQ_LENS), block_size) for q in steps]
 
 
+class KernelsNotCached(RuntimeError):
+    """A flashinfer kernel the probe needs is not in the JIT cache, and building it was not allowed."""
+
+
+@contextmanager
+def refusing_jit_builds(spec_class: Any = None) -> Iterator[None]:
+    """Within it, a flashinfer JIT kernel that is not compiled in the cache raises KernelsNotCached instead
+    of being built (a build takes minutes of nvcc: a first start must compile nothing). A compiled one
+    loads as before. `spec_class` is flashinfer's JitSpec (tests pass a stand-in)."""
+    if spec_class is None:
+        from flashinfer.jit.core import JitSpec as spec_class
+    build = spec_class.build
+
+    def build_if_cached(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not self.is_compiled:
+            raise KernelsNotCached(f"kernel {self.name} is not in flashinfer's JIT cache")
+        return build(self, *args, **kwargs)
+
+    spec_class.build = build_if_cached
+    try:
+        yield
+    finally:
+        spec_class.build = build
+
+
 def kernels_unavailable(
-    spec: AttentionSpec, kv_dtype: torch.dtype, device: torch.device, block_size: int
+    spec: AttentionSpec, kv_dtype: torch.dtype, device: torch.device, block_size: int, build: bool = True
 ) -> str | None:
     """Why flashinfer cannot run this model's attention here (None: it can). Runs a decode and a prefill
     step, CUDA-graph decode included, on a two-sequence cache of the runner's block size (xqa builds a
     kernel per block size): that loads flashinfer's JIT kernels from its cache
-    (FLASHINFER_WORKSPACE_BASE), or builds them, which needs nvcc (the runtime image has none)."""
+    (FLASHINFER_WORKSPACE_BASE), or, if `build`, builds them, which needs nvcc (the runtime image has none)."""
     try:
-        num_blocks, steps = probe_batches(block_size, device)
-        cache = KVCache(KVCacheSpec(1, spec.num_kv_heads, spec.head_dim, kv_dtype), num_blocks, block_size, device)
-        backend = FlashInferAttentionBackend(cache, spec)
-        query_dtype = spec.q_dtype or kv_dtype
-        for batch in steps:
-            q = torch.randn(batch.num_tokens, spec.num_heads, spec.head_dim, device=device, dtype=query_dtype)
-            k = torch.randn(batch.num_tokens, spec.num_kv_heads, spec.head_dim, device=device, dtype=query_dtype)
-            backend.forward(0, q, k, k.clone(), backend.plan(batch))
-        meta = backend.capture_metadata(steps[0])
-        backend.forward(0, q[:2], k[:2], k[:2].clone(), meta)
-        torch.cuda.synchronize(device)
+        with refusing_jit_builds() if not build else nullcontext():
+            _probe(spec, kv_dtype, device, block_size)
     except Exception as exc:  # a JIT build failure is a subprocess or RuntimeError from flashinfer
         return f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}"
     return None
+
+
+def _probe(spec: AttentionSpec, kv_dtype: torch.dtype, device: torch.device, block_size: int) -> None:
+    num_blocks, steps = probe_batches(block_size, device)
+    cache = KVCache(KVCacheSpec(1, spec.num_kv_heads, spec.head_dim, kv_dtype), num_blocks, block_size, device)
+    backend = FlashInferAttentionBackend(cache, spec)
+    query_dtype = spec.q_dtype or kv_dtype
+    for batch in steps:
+        q = torch.randn(batch.num_tokens, spec.num_heads, spec.head_dim, device=device, dtype=query_dtype)
+        k = torch.randn(batch.num_tokens, spec.num_kv_heads, spec.head_dim, device=device, dtype=query_dtype)
+        backend.forward(0, q, k, k.clone(), backend.plan(batch))
+    meta = backend.capture_metadata(steps[0])
+    backend.forward(0, q[:2], k[:2], k[:2].clone(), meta)
+    torch.cuda.synchronize(device)

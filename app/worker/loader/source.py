@@ -1,12 +1,13 @@
-"""Where the model's files are: a local directory, or a Hugging Face Hub snapshot fetched once."""
+"""Where the model's files are: a local directory, or a Hugging Face Hub snapshot (app/model_files.py).
+
+Under `tokenspeed serve` the supervisor has fetched a Hub model already and set HF_HUB_OFFLINE=1, so
+this finds the cached copy without a network call, picking the same files."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-# Config, tokenizer and safetensors files; pytorch .bin/.pt only when --load-format pt asks for them.
-_HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "merges.txt", "vocab.txt"]
-_HUB_PT_FILES = ["*.bin", "*.pt"]
+from app.model_files import resolve
 
 
 def resolve_model_path(
@@ -16,23 +17,7 @@ def resolve_model_path(
     download_dir: str | None = None,
     trust_remote_code: bool = False,
 ) -> Path:
-    """A local directory as is; anything else is a Hub repo id, downloaded into download_dir (or the
-    Hugging Face cache) at `revision`. Only the files the appliance reads are fetched (plus the
-    repo's Python config code when remote code is trusted)."""
-    local = Path(model).expanduser()
-    if local.is_dir():
-        if revision is not None:
-            raise ValueError(f"--revision {revision!r} applies to Hub models; {model} is a local directory")
-        return local
-    if local.exists():
-        raise ValueError(f"model path {model} is a file; give the model's directory")
-    from huggingface_hub import snapshot_download  # only needed off the local path
-
-    patterns = (
-        _HUB_FILES + (_HUB_PT_FILES if load_format == "pt" else []) + (["*.py"] if trust_remote_code else [])
-    )
-    if load_format == "dummy":
-        patterns = [p for p in patterns if p != "*.safetensors"]
-    return Path(
-        snapshot_download(repo_id=model, revision=revision, cache_dir=download_dir, allow_patterns=patterns)
-    )
+    """A local directory as is; anything else a Hub repo id, from the cache (download_dir or the
+    Hugging Face cache) at `revision`, downloaded first when missing and the Hub is reachable."""
+    return resolve(model, load_format=load_format, revision=revision, download_dir=download_dir,
+                   trust_remote_code=trust_remote_code)

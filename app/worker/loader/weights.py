@@ -90,18 +90,30 @@ def _read_safetensors(f: Any, name: str, part: TPSlice | None) -> torch.Tensor:
     return f.get_tensor(name)
 
 
-def iterate_tensors(load_format: str, files: list[Path]) -> Iterator[tuple[str, TensorReader]]:
-    """(name, reader) for every tensor of every file; a reader must be called before the next item."""
-    for path in files:
+def iterate_tensors(load_format: str, files: list[Path], progress: Callable[[float], None] | None = None
+                    ) -> Iterator[tuple[str, TensorReader]]:
+    """(name, reader) for every tensor of every file; a reader must be called before the next item.
+    `progress` hears the fraction of the files' bytes done after each tensor (a file's bytes counted
+    evenly over its tensors)."""
+    sizes = [path.stat().st_size for path in files]
+    total, before = max(sum(sizes), 1), 0
+    for path, size in zip(files, sizes, strict=True):
         if load_format == "safetensors":
             with safe_open(str(path), framework="pt", device="cpu") as f:
-                for name in f.keys():
+                names = list(f.keys())
+                for i, name in enumerate(names):
                     yield name, partial(_read_safetensors, f, name)
+                    if progress is not None:
+                        progress((before + size * (i + 1) / len(names)) / total)
         else:
             # mmap: tensors are paged in as they are copied, not read up front.
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            for name in list(state):
+            names = list(state)
+            for i, name in enumerate(names):
                 yield name, partial(take, state.pop(name))
+                if progress is not None:
+                    progress((before + size * (i + 1) / len(names)) / total)
+        before += size
 
 
 def _listed(names: list[str]) -> str:
@@ -197,13 +209,17 @@ def init_dummy(model: nn.Module) -> None:
             param.uniform_(-1e-3, 1e-3, generator=gen)
 
 
-def load_weights(model: DenseCausalLM, model_dir: Path, load_format: str) -> str:
-    """Fill the model from model_dir per --load-format; returns the format actually used."""
+def load_weights(model: DenseCausalLM, model_dir: Path, load_format: str,
+                 progress: Callable[[str], None] | None = None) -> str:
+    """Fill the model from model_dir per --load-format; returns the format actually used. `progress`
+    hears how far the read is ("42% of 16.1 GB"), for the start-up log."""
     if load_format == "dummy":
         init_dummy(model)
         finish_loading(model, dummy_seed=DUMMY_SEED)
         return "dummy"
     resolved, files = checkpoint_files(model_dir, load_format)
-    load_tensors(model, iterate_tensors(resolved, files))
+    gb = sum(path.stat().st_size for path in files) / 1e9
+    report = None if progress is None else (lambda done: progress(f"{done:.0%} of {gb:.1f} GB"))
+    load_tensors(model, iterate_tensors(resolved, files, report))
     finish_loading(model)
     return resolved

@@ -69,6 +69,10 @@
 #   tests_fp8kv              GPU tests of the FP8 KV backends, flashinfer sampling and FP8 GEMMs: ~150 s
 #   tests_fp8w               GPU tests of the FP8 weights' GEMMs, GEMV and fused quantization: ~210 s
 #   pytest                   the GPU tests PYTEST_ARGS names (pytest's arguments, quoted as on a command line)
+#   cold_start               process start to /readiness 200 and the longest silent stretch of the log, Llama-3.1-8B
+#                            shape, dummy weights, default backend: empty kernel caches, the same again, and after
+#                            `tokenspeed warmup` (scripts/gpu/cold_start.py): ~300 s; run it with NO_WARM=1
+#                            DEADLINE=580 so that no flashinfer build competes and it is not cut short
 #   tests_tp latency_tp      two GPUs (nvidia-h200-x2): TP=2 GPU tests; batch-1 decode at TP=1 and TP=2
 #   serving_dp               two GPUs: the appliance at 1 replica, then --data-parallel-size 2: ~300 s
 # A stage that cannot finish before DEADLINE is skipped rather than cut (offline_1000*), so give each
@@ -82,7 +86,7 @@ export PYTHONUNBUFFERED=1
 MODEL=configs/models/llama-3.1-8b
 STAGES=${*:-roofline latency_triton tests latency_flashinfer latency_b32 offline hf tests_8b}
 KNOWN=" roofline latency_triton tests latency_flashinfer latency_b4 latency_pdl pieces latency_b32 offline offline_no_overlap latency_fp8 kv_pool \
-latency_fp8_triton pdl_batches offline_1000 offline_1000_g512 offline_1000_fp8 offline_1000_fp8kv offline_b1 profile_prefill profile_b1_fp8 profile_b1_bf16 profile_b4 pyspy_b4 pyspy_prefill hf tests_8b idle serving serving_eager_prefill tests_tp latency_tp serving_dp tests_fp8kv tests_fp8w tests_decode tests_fi_decode tests_gemv gemv gemv_chain attn attn_sweep elementwise scaled_mm overlap prefill_fp8 xqa_layout pytest "
+latency_fp8_triton pdl_batches offline_1000 offline_1000_g512 offline_1000_fp8 offline_1000_fp8kv offline_b1 cold_start profile_prefill profile_b1_fp8 profile_b1_bf16 profile_b4 pyspy_b4 pyspy_prefill hf tests_8b idle serving serving_eager_prefill tests_tp latency_tp serving_dp tests_fp8kv tests_fp8w tests_decode tests_fi_decode tests_gemv gemv gemv_chain attn attn_sweep elementwise scaled_mm overlap prefill_fp8 xqa_layout pytest "
 SERVING_MORE="stagger:4:0.5:32:128 b1:1:0:3:256"  # the serving stages' benchmarks after the first (serve_and_bench.sh)
 for s in $STAGES; do  # every name checked before anything runs
   [[ $KNOWN == *" $s "* ]] || { echo "unknown stage $s; known:$KNOWN"; exit 2; }
@@ -174,6 +178,7 @@ run_offline_1000() {  # run_offline_1000 NAME MAX_NUM_SEQS TIMEOUT CHUNK [flags]
 for s in $STAGES; do
   case $s in
     roofline) stage roofline 40 python3 scripts/gpu/roofline.py "$RUN/roofline.json" ;;
+    cold_start) stage cold_start 570 python3 scripts/gpu/cold_start.py --json "$RUN/cold_start.json" ;;
     latency_triton) latency latency_triton_b1 triton 1 ;;
     # Batch 1 on the triton backend (the flashinfer backend's decode kernel for a 16-bit cache, and no
     # wait for flashinfer's JIT): bf16 weights, then FP8.

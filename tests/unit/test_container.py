@@ -29,6 +29,7 @@ from app.config.names import ALIASES, NON_SETTING_ENV_VARS, env_of
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
+DOCKERFILE_KERNELS = ROOT / "docker" / "Dockerfile.kernels"
 COMPOSE = ROOT / "compose.yaml"
 COMPOSE_CPU = ROOT / "compose.cpu.yaml"
 MONITORING = ROOT / "monitoring"
@@ -116,10 +117,10 @@ def compose_config(project: Path, *files: str, profile: str | None = None,
 # ---------------------------------------------------------------- Dockerfile
 
 
-def dockerfile_instructions() -> list[tuple[str, str]]:
+def dockerfile_instructions(path: Path = DOCKERFILE) -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
     joined, current = [], ""
-    for line in DOCKERFILE.read_text().splitlines():
+    for line in path.read_text().splitlines():
         stripped = line.strip()
         if not current and (not stripped or stripped.startswith("#")):
             continue
@@ -151,10 +152,26 @@ def image_env() -> dict[str, str]:
 
 
 @needs_hadolint
-def test_dockerfile_lints_clean() -> None:
-    result = subprocess.run([str(HADOLINT), "--no-color", str(DOCKERFILE)], capture_output=True, text=True,
+@pytest.mark.parametrize("dockerfile", [DOCKERFILE, DOCKERFILE_KERNELS], ids=lambda p: p.name)
+def test_dockerfile_lints_clean(dockerfile: Path) -> None:
+    result = subprocess.run([str(HADOLINT), "--no-color", str(dockerfile)], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0 and not result.stdout.strip(), result.stdout + result.stderr
+
+
+def test_kernel_builder_image_extends_the_appliance_with_nvcc() -> None:
+    """docker/Dockerfile.kernels: the appliance image (same venv and caches), the CUDA toolkit of the
+    appliance's CUDA version, its runtime user, and `tokenspeed warmup` as the entrypoint."""
+    ops = dockerfile_instructions(DOCKERFILE_KERNELS)
+    args = {a.split("=")[0]: a.split("=", 1)[1] for op, a in ops if op == "ARG" and "=" in a}
+    base = next(a for o, a in dockerfile_instructions() if o == "ARG" and a.startswith("BASE_IMAGE="))
+    cuda = re.search(r"cuda:(\d+\.\d+)", base).group(1)
+    assert re.search(rf"cuda:{re.escape(cuda)}\.\d+-devel-", args["CUDA_DEVEL_IMAGE"])
+    assert f"/usr/local/cuda-{cuda} /usr/local/cuda" in dict(ops)["COPY"]
+    assert args["APPLIANCE_IMAGE"] == "tokenspeed-appliance:latest"
+    runtime_uid = next(a for o, a in final_stage() if o == "ARG" and a.startswith("UID=")).split("=")[1]
+    assert args["UID"] == runtime_uid and ops[-2] == ("USER", "${UID}:${UID}")
+    assert json.loads(dict(ops)["ENTRYPOINT"]) == ["tini", "--", "tokenspeed", "warmup"]
 
 
 def test_base_image_matches_the_torch_build() -> None:

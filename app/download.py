@@ -36,7 +36,7 @@ def run(argv: Sequence[str]) -> int:
             paths.append(model_files.resolve(
                 source, load_format=load_format, revision=settings.revision, download_dir=settings.download_dir,
                 trust_remote_code=bool(settings.trust_remote_code), progress=True))
-    except (model_files.ModelUnavailable, ValueError) as exc:
+    except ValueError as exc:  # ModelUnavailable too
         print(f"tokenspeed: error: {exc}", file=sys.stderr)
         return 1
     if not paths:

@@ -37,7 +37,7 @@ _SAFETENSORS = ("*.safetensors", "model.safetensors.index.json")
 _PT = ("*.bin", "*.pt", "pytorch_model.bin.index.json")
 
 
-class ModelUnavailable(RuntimeError):
+class ModelUnavailable(ValueError):
     """The model's files cannot be had; the message is one line that says what to do."""
 
 

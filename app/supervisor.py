@@ -249,7 +249,7 @@ def serve(settings) -> int:
     clock.enter("download")  # once per node, before any child starts: they read the cached copy
     try:
         model_files.prepare(settings)
-    except (model_files.ModelUnavailable, ValueError) as exc:
+    except ValueError as exc:  # ModelUnavailable too
         clock.done()
         log.error("%s", exc, exc_info=settings.log_level == "debug")
         return 1

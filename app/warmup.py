@@ -42,7 +42,7 @@ def run(argv: Sequence[str]) -> int:
     try:
         model_files.prepare(settings)  # the config only (dummy weights)
         seconds = _build(settings)
-    except (model_files.ModelUnavailable, ValueError, RuntimeError) as exc:
+    except (ValueError, RuntimeError) as exc:  # ModelUnavailable is a ValueError
         log.error("%s", exc, exc_info=settings.log_level == "debug")
         return 1
     log.info("kernels built in %.1f s (%s); caches: %s", time.perf_counter() - started,

@@ -213,3 +213,23 @@ def test_serve_and_download_of_an_unreachable_hub_model(tmp_path: Path) -> None:
     _one_line_error(done, "HF_HUB_OFFLINE=1", "tokenspeed download Qwen/Qwen3-0.6B")
     done, _ = _run(["download", "Qwen/Qwen3-0.6B", "--revision", "v2"], tmp_path)
     _one_line_error(done, "Qwen/Qwen3-0.6B at revision v2", "cannot be reached")
+
+
+def test_download_fetches_what_serve_would_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture) -> None:
+    from app import download
+
+    fetched: list[tuple] = []
+
+    def fake_resolve(source: str, **kw) -> Path:
+        fetched.append((source, kw["load_format"], kw["revision"], kw["download_dir"], kw["progress"]))
+        return tmp_path / source.replace("/", "--")
+
+    monkeypatch.setattr(model_files, "resolve", fake_resolve)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("model: org/m\nload_format: safetensors\n")
+    assert download.run(["--config", str(recipe), "--revision", "v2", "--download-dir", "/cache"]) == 0
+    assert fetched == [("org/m", "safetensors", "v2", "/cache", True)]
+    assert capsys.readouterr().out.strip() == str(tmp_path / "org--m")
+    assert download.run([str(tmp_path)]) == 0  # a local directory: nothing to fetch
+    assert "nothing to download" in capsys.readouterr().err and len(fetched) == 1

@@ -1,5 +1,6 @@
 """Health routes: /health and /liveness (the process runs), /readiness (the engine is ready and we are
-not draining; while starting, its 503 names the start-up phase), /health_generate (a real one-token greedy generation through the whole engine)."""
+not draining; while starting, its 503 names the start-up phase), /health_generate (a real one-token
+greedy generation through the whole engine)."""
 
 from __future__ import annotations
 

@@ -33,9 +33,9 @@
 #                            (512-token prompts) with and without them: prefill time side by side: ~150 s
 #   latency_fp8              batch-1 flashinfer latency, bf16 weights then FP8 (quantized at load): ~70 s
 #   latency_fp8_triton       the same on the triton backend (the same decode kernels; no wait for the JIT)
-#   kv_pool                  start-up only, bf16 KV then FP8 KV: kv_pool_tokens of each: ~50 s, plus
-#                            the default backend is flashinfer only with its kernels cached: it waits for the background
-#                            build (warm_flashinfer.py builds the FP8-KV kernels too; ~110 s the first time)
+#   kv_pool                  start-up only, bf16 KV then FP8 KV: kv_pool_tokens of each: ~50 s; the default backend
+#                            is flashinfer only with its kernels cached, so it waits for the background build
+#                            (warm_flashinfer.py builds the FP8-KV kernels too: ~110 s the first time)
 #   offline_no_overlap       the offline stage without step overlap (compare with offline): ~30 s
 #   offline_1000             1000 requests of 1000 in / 1000 out, flashinfer, bf16: ~200 s
 #   offline_1000_g512        offline_1000 with decode graphs captured up to 512 (384 running: no eager decode)

@@ -33,9 +33,7 @@ def run(argv: Sequence[str]) -> int:
         for source, load_format in model_files.hub_sources(settings):
             print(f"{PROG}: fetching {source} into {model_files.hub_cache_dir(settings.download_dir)}",
                   file=sys.stderr)
-            paths.append(model_files.resolve(
-                source, load_format=load_format, revision=settings.revision, download_dir=settings.download_dir,
-                trust_remote_code=bool(settings.trust_remote_code), progress=True))
+            paths.append(model_files.fetch(settings, source, load_format))
     except ValueError as exc:  # ModelUnavailable too
         print(f"tokenspeed: error: {exc}", file=sys.stderr)
         return 1

@@ -191,12 +191,23 @@ def prepare(settings: Any) -> float:
     started = time.perf_counter()
     fetched = False
     for source, fmt in hub_sources(settings):
-        resolve(source, load_format=fmt, revision=settings.revision, download_dir=settings.download_dir,
-                trust_remote_code=bool(settings.trust_remote_code), progress=True)
+        fetch(settings, source, fmt)
         fetched = True
     if fetched:
         os.environ["HF_HUB_OFFLINE"] = "1"  # inherited by every child spawned from now on
     return time.perf_counter() - started
+
+
+def fetch(settings: Any, source: str, load_format: str) -> Path:
+    """resolve() one of hub_sources(settings) with progress bars; an error about the tokenizer says so."""
+    try:
+        return resolve(source, load_format=load_format, revision=settings.revision,
+                       download_dir=settings.download_dir, trust_remote_code=bool(settings.trust_remote_code),
+                       progress=True)
+    except ModelUnavailable as exc:
+        if source == settings.model:
+            raise
+        raise ModelUnavailable(f"--tokenizer {source}: {exc}") from None
 
 
 def hub_sources(settings: Any) -> list[tuple[str, str]]:

@@ -164,12 +164,16 @@ def test_prepare_fetches_once_and_sends_children_offline(tmp_path: Path, monkeyp
 
     fetched: list[tuple] = []
     monkeypatch.setenv("HF_HUB_OFFLINE", "")  # restored after the test: prepare() sets it
+    real_resolve = model_files.resolve
     monkeypatch.setattr(model_files, "resolve", lambda source, **kw: fetched.append((source, kw["load_format"])))
     model_files.prepare(Settings(model=str(tmp_path)))  # a local directory: nothing to fetch
     assert fetched == [] and os.environ["HF_HUB_OFFLINE"] == ""
     model_files.prepare(Settings(model="org/m", tokenizer="org/tok", load_format="safetensors"))
     assert fetched == [("org/m", "safetensors"), ("org/tok", "dummy")]
     assert os.environ["HF_HUB_OFFLINE"] == "1"
+    monkeypatch.setattr(model_files, "resolve", real_resolve)
+    with pytest.raises(ModelUnavailable, match="^--tokenizer /nonexistent/tok: model directory /nonexistent/tok "):
+        model_files.prepare(Settings(model=str(tmp_path), tokenizer="/nonexistent/tok"))
 
 
 def _run(args: list[str], home: Path, **env: str) -> tuple[subprocess.CompletedProcess, float]:

@@ -26,7 +26,7 @@ from torch import nn
 from app.worker.layers import SHARD_ROWS
 from app.worker.layers.linear import FROM_CHECKPOINT, WEIGHT_LOADER, TPSlice, tp_slice
 from app.worker.models.dense import DenseCausalLM
-from app.worker.quantization import FP8_DTYPE, finish_loading
+from app.worker.quantization import FP8_DTYPE, FP8_MAX, finish_loading
 
 LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
 DUMMY_SEED = 1234
@@ -185,7 +185,8 @@ def _copy_into(param: nn.Parameter, tensor: torch.Tensor, name: str, shard: str 
 
 
 def init_dummy(model: nn.Module) -> None:
-    """Every floating parameter uniform(-1e-3, 1e-3) from a generator seeded DUMMY_SEED (per device)."""
+    """Every floating parameter uniform(-1e-3, 1e-3) from a generator seeded DUMMY_SEED (per device); FP8
+    codes not drawn by a quantization method (MoE experts) uniform over e4m3's range."""
     generators: dict[torch.device, torch.Generator] = {}
     with torch.no_grad():
         for _, param in model.named_parameters():
@@ -194,6 +195,10 @@ def init_dummy(model: nn.Module) -> None:
             gen = generators.get(param.device)
             if gen is None:
                 gen = generators[param.device] = torch.Generator(device=param.device).manual_seed(DUMMY_SEED)
+            if param.dtype == FP8_DTYPE:  # codes over e4m3's range; their layer's scales make them dummy-sized
+                for part in param.data:  # a float draw of one slice at a time (an expert's)
+                    part.copy_(torch.empty(part.shape, device=param.device).uniform_(-FP8_MAX, FP8_MAX, generator=gen))
+                continue
             param.uniform_(-1e-3, 1e-3, generator=gen)
 
 

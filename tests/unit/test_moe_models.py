@@ -19,8 +19,8 @@ from app.worker.model_runner import ModelRunner
 from app.worker.models import model_class_for
 from app.worker.parallel import TensorParallel
 from app.worker.quantization import FP8_DTYPE
-from app.worker.quantization.fp8 import REL_ERROR, SUBNORMAL_ERROR
-from tests.support.model_factory import build_tiny_model
+from app.worker.quantization.fp8 import REL_ERROR, SUBNORMAL_ERROR, dequantize, expand_block_scales
+from tests.support.model_factory import build_tiny_model, write_fp8_checkpoint
 from tests.unit.test_model_runner import (
     CPU,
     Request,
@@ -165,6 +165,35 @@ def test_fp8_experts_quantized_at_load_hold_each_expert_per_channel(models: dict
     prompt = prompts_for(float_runner.vocab_size, [20], seed=2)
     want, got = (prefill_logits(r.model, prompt)[0] for r in (float_runner, fp8_runner))
     assert float((got - want).norm() / want.norm()) < 0.5
+
+
+def test_block_scaled_fp8_checkpoint_experts_are_requantized_per_channel(models: dict[str, Path],
+                                                                        tmp_path: Path) -> None:
+    """Qwen3-30B-A3B-FP8's layout (128x128 tile scales, `weight_scale_inv`, one tensor per expert): each
+    expert ends per channel within one more e4m3 rounding of the checkpoint's block-scaled values."""
+    ckpt = write_fp8_checkpoint(models["qwen3_moe"], tmp_path, "fp8-block")
+    runner = ModelRunner(make_settings(ckpt), CPU)
+    full = load_file(str(ckpt / "model.safetensors"))
+    experts = runner.model.model.layers[0].mlp.experts
+    assert not hasattr(experts, "w13_tile_scale")  # dropped once requantized
+    for e in range(4):
+        prefix = f"model.layers.0.mlp.experts.{e}."
+        got13 = experts.w13_weight[e].float() * experts.w13_scale[e, :, None]
+        for got, name in ((got13[:48], "gate_proj"), (got13[48:], "up_proj"),
+                          (experts.w2_weight[e].float() * experts.w2_scale[e, :, None], "down_proj")):  # fmt: skip
+            codes = full[prefix + name + ".weight"]
+            want = dequantize(codes, expand_block_scales(full[prefix + name + ".weight_scale_inv"], *codes.shape,
+                                                         (128, 128)))  # fmt: skip
+            bound = REL_ERROR * want.abs() + SUBNORMAL_ERROR * want.abs().amax(1, keepdim=True)
+            assert ((got - want).abs() <= bound).all(), prefix + name
+    logits = prefill_logits(runner.model, prompts_for(runner.vocab_size, [9]))[0]
+    assert torch.isfinite(logits).all()
+
+
+def test_fp8_expert_checkpoints_with_channel_scales_are_refused(models: dict[str, Path], tmp_path: Path) -> None:
+    ckpt = write_fp8_checkpoint(models["qwen3_moe"], tmp_path, "fp8-channel")
+    with pytest.raises(ValueError, match="FP8 expert checkpoints with per-tensor or per-channel scales are not"):
+        ModelRunner(make_settings(ckpt), CPU)
 
 
 @pytest.mark.parametrize("quantization", [None, "fp8"])

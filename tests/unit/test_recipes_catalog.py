@@ -50,6 +50,7 @@ MODELS: dict[str, Model] = {
     "Qwen/Qwen2.5-7B-Instruct": Model(32768, 28, 4, 128, 7.6e9),
     "mistralai/Mistral-7B-Instruct-v0.3": Model(32768, 32, 8, 128, 7.25e9),
     "Qwen/Qwen3-30B-A3B": Model(40960, 48, 4, 128, 30.5e9),
+    "Qwen/Qwen3-30B-A3B-FP8": Model(40960, 48, 4, 128, 30.5e9),
 }
 CATALOGUE = {
     "qwen3-0.6b-bf16.yaml", "qwen3-8b-bf16.yaml", "qwen3-8b-fp8.yaml", "llama-3.1-8b-instruct-bf16.yaml",

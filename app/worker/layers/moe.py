@@ -13,7 +13,8 @@ Checkpoints store one tensor per expert and projection (`experts.{e}.gate_proj.w
 Tensor parallelism splits every expert's intermediate dimension (--moe-tp-size equal to the TP size):
 each rank holds its slice of the gate and up rows and the matching columns of down, and the block's
 output is all-reduced once. FP8 (a quantization method) holds the experts as e4m3 codes with
-per-output-channel scales, quantized as the weights load.
+per-output-channel scales: 16-bit checkpoints are quantized as they load, block-scaled FP8 checkpoints
+(Qwen3-30B-A3B-FP8's 128x128 tiles) requantized per channel once loaded (finish_loading).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from torch import nn
 from app.worker.layers.fused import kernel_module, use_fused
 from app.worker.layers.linear import FROM_CHECKPOINT, WEIGHT_LOADER, Linear, TPSlice, mark_tp_slices
 from app.worker.parallel import SINGLE, TensorParallel
-from app.worker.quantization.fp8 import FP8_DTYPE, FP8_MAX, quantize_rows
+from app.worker.quantization.fp8 import FP8_DTYPE, FP8_MAX, quantize_rows, requantize_blocks_to_rows
 from app.worker.quantization.linear import DUMMY_RANGE
 
 if TYPE_CHECKING:
@@ -58,26 +59,28 @@ class ExpertNames:
     down: str = "down_proj"
 
     def pattern(self) -> re.Pattern[str]:
-        return re.compile(rf"^(.*\.experts)\.(\d+)\.({self.gate}|{self.up}|{self.down})\.weight$")
+        return re.compile(rf"^(.*\.experts)\.(\d+)\.({self.gate}|{self.up}|{self.down})\.(weight|weight_scale_inv)$")
 
     def target(self, name: str) -> tuple[str, str] | None:
-        """A checkpoint expert tensor -> (stacked parameter, shard id); None for any other tensor."""
+        """A checkpoint expert tensor -> (stacked parameter, shard id); None for any other tensor. Block
+        scales (`weight_scale_inv`) go to the tile-scale parameters of a block-scaled FP8 checkpoint."""
         found = self.pattern().match(name)
         if found is None:
             return None
-        prefix, expert, proj = found.groups()
+        prefix, expert, proj, kind = found.groups()
+        suffix = "_weight" if kind == "weight" else "_tile_scale"
         if proj == self.down:
-            return f"{prefix}.w2_weight", f"down.{expert}"
-        return f"{prefix}.w13_weight", f"{'gate' if proj == self.gate else 'up'}.{expert}"
+            return f"{prefix}.w2{suffix}", f"down.{expert}"
+        return f"{prefix}.w13{suffix}", f"{'gate' if proj == self.gate else 'up'}.{expert}"
 
     def names(self, param_name: str, num_experts: int) -> list[tuple[str, str]] | None:
         """The checkpoint tensors that fill one stacked parameter (None: not an expert parameter)."""
-        for suffix, projs in ((".w13_weight", (("gate", self.gate), ("up", self.up))),
-                              (".w2_weight", (("down", self.down),))):  # fmt: skip
-            if param_name.endswith(".experts" + suffix):
-                prefix = param_name.removesuffix(suffix)
-                return [(f"{prefix}.{e}.{proj}.weight", f"{kind}.{e}") for e in range(num_experts)
-                        for kind, proj in projs]  # fmt: skip
+        for stacked, projs in (("w13", (("gate", self.gate), ("up", self.up))), ("w2", (("down", self.down),))):
+            for suffix, kind in (("_weight", "weight"), ("_tile_scale", "weight_scale_inv")):
+                if param_name.endswith(f".experts.{stacked}{suffix}"):
+                    prefix = param_name.removesuffix(f".{stacked}{suffix}")
+                    return [(f"{prefix}.{e}.{proj}.{kind}", f"{part}.{e}") for e in range(num_experts)
+                            for part, proj in projs]  # fmt: skip
         return None
 
 
@@ -91,15 +94,21 @@ class FusedExperts(nn.Module):
         self.spec = spec
         self.local = local = spec.intermediate // tp.size
         self.fp8 = quant is not None
+        self.block = _checkpoint_block(quant, tp)
         weight_dtype = FP8_DTYPE if self.fp8 else dtype
         e = spec.num_experts
         self.w13_weight = _param(torch.empty(e, 2 * local, hidden, dtype=weight_dtype), partial(self._load, "w13"))
         self.w2_weight = _param(torch.empty(e, hidden, local, dtype=weight_dtype), partial(self._load, "w2"))
-        if self.fp8:  # per-output-channel scales, derived as the float weights load; until then the scale
-            # that makes dummy codes (drawn over e4m3's range) the loader's dummy magnitude
+        if self.fp8:  # per-output-channel scales, derived as the weights load; until then the scale that
+            # makes dummy codes (drawn over e4m3's range) the loader's dummy magnitude
             dummy = DUMMY_RANGE / FP8_MAX
             self.w13_scale = _param(torch.full((e, 2 * local), dummy), None, from_checkpoint=False)
             self.w2_scale = _param(torch.full((e, hidden), dummy), None, from_checkpoint=False)
+        if self.block is not None:  # the checkpoint's tile scales, held until finish_loading requantizes
+            b0, b1 = self.block
+            self.tiles = -(-local // b0)  # tile rows of gate (then of up) in w13_tile_scale
+            self.w13_tile_scale = _param(torch.empty(e, 2 * self.tiles, -(-hidden // b1)), partial(self._load, "t13"))
+            self.w2_tile_scale = _param(torch.empty(e, -(-hidden // b0), -(-local // b1)), partial(self._load, "t2"))
         if tp.size > 1:  # the rank's rows of gate and up, its columns of down
             rows = TPSlice(0, tp.rank * local, local, spec.intermediate)
             cols = TPSlice(1, tp.rank * local, local, spec.intermediate)
@@ -107,26 +116,53 @@ class FusedExperts(nn.Module):
             mark_tp_slices(self.w2_weight, {f"down.{x}": cols for x in range(e)})
 
     def _load(self, which: str, tensor: torch.Tensor, shard: str | None) -> None:
-        """Copy (FP8: quantize per output channel) one expert's checkpoint tensor into its place."""
+        """Copy one expert's checkpoint tensor into its place: 16-bit as it is, or quantized per output
+        channel (FP8 at load), or a block-scaled checkpoint's codes and tile scales as they are."""
         kind, expert = str(shard).split(".")
         e = int(expert)
-        if which == "w13":
-            first = 0 if kind == "gate" else self.local
-            target, scale = self.w13_weight.data[e, first : first + self.local], "w13_scale"
-        else:
-            target, scale, first = self.w2_weight.data[e], "w2_scale", 0
+        up = kind == "up"
+        target = {
+            "w13": lambda: self.w13_weight.data[e, up * self.local : (up + 1) * self.local],
+            "w2": lambda: self.w2_weight.data[e],
+            "t13": lambda: self.w13_tile_scale.data[e, up * self.tiles : (up + 1) * self.tiles],
+            "t2": lambda: self.w2_tile_scale.data[e],
+        }[which]()
         if tuple(tensor.shape) != tuple(target.shape):
             raise ValueError(f"has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}")
-        if tensor.dtype == FP8_DTYPE:
-            raise ValueError("is FP8: FP8 expert checkpoints are not supported (quantize a 16-bit checkpoint "
-                             "at load with --quantization fp8)")  # fmt: skip
+        codes = which in ("w13", "w2") and self.block is not None
+        if codes != (tensor.dtype == FP8_DTYPE):
+            raise ValueError(f"is {tensor.dtype}, the model expects {'FP8 codes' if codes else 'a float tensor'}")
         with torch.no_grad():
-            if not self.fp8:
+            if codes or not self.fp8 or which in ("t13", "t2"):
                 target.copy_(tensor)
                 return
-            codes, scales = quantize_rows(tensor.to(device=target.device, dtype=torch.float32))
-            target.copy_(codes)
-            getattr(self, scale).data[e, first : first + target.shape[0]] = scales.view(-1)
+            q, scales = quantize_rows(tensor.to(device=target.device, dtype=torch.float32))
+            target.copy_(q)
+            scale = self.w13_scale.data[e, up * self.local : (up + 1) * self.local] if which == "w13" else \
+                self.w2_scale.data[e]  # fmt: skip
+            scale.copy_(scales.view(-1))
+
+    def finish_loading(self, dummy: bool = False) -> None:
+        """A block-scaled checkpoint's codes requantized per output channel (the kernels' layout: one more
+        e4m3 rounding, as for the dense linears, docs/quantization.md); the tile scales are dropped.
+        Dummy tiles give the dummy magnitude."""
+        if self.block is None:
+            return
+        with torch.no_grad():
+            if dummy:
+                self.w13_tile_scale.fill_(DUMMY_RANGE / FP8_MAX)
+                self.w2_tile_scale.fill_(DUMMY_RANGE / FP8_MAX)
+            local, tiles = self.local, self.tiles
+            for e in range(self.spec.num_experts):
+                for half in (0, 1):
+                    rows, tile_rows = slice(half * local, (half + 1) * local), slice(half * tiles, (half + 1) * tiles)
+                    q, scales = requantize_blocks_to_rows(self.w13_weight[e, rows], self.w13_tile_scale[e, tile_rows],
+                                                          self.block)  # fmt: skip
+                    self.w13_weight[e, rows], self.w13_scale[e, rows] = q, scales.view(-1)
+                q, scales = requantize_blocks_to_rows(self.w2_weight[e], self.w2_tile_scale[e], self.block)
+                self.w2_weight[e], self.w2_scale[e] = q, scales.view(-1)
+        del self.w13_tile_scale, self.w2_tile_scale
+        self.block = None
 
     def forward(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         moe = kernel_module("moe")
@@ -137,6 +173,20 @@ class FusedExperts(nn.Module):
             return moe.fused_moe(x, self.w13_weight, self.w2_weight, weights, ids, *scales)
         weights, ids = moe.route_topk_reference(logits, s.top_k, s.renormalize)
         return moe.fused_moe_reference(x, self.w13_weight, self.w2_weight, weights, ids, *scales)
+
+
+def _checkpoint_block(quant: Fp8LinearMethod | None, tp: TensorParallel) -> tuple[int, int] | None:
+    """The tile of a block-scaled FP8 checkpoint's experts; None for 16-bit checkpoints. FP8 expert
+    checkpoints with other scales are refused here."""
+    if quant is None or not quant.scheme.serialized:
+        return None
+    if quant.scheme.block is None:
+        raise ValueError("FP8 expert checkpoints with per-tensor or per-channel scales are not supported: the "
+                         "block-scaled layout (weight_block_size) is, and 16-bit checkpoints quantized while "
+                         "loading (--quantization fp8)")  # fmt: skip
+    if tp.size > 1:
+        raise ValueError("block-scaled FP8 expert checkpoints with --tensor-parallel-size > 1 are not supported")
+    return quant.scheme.block
 
 
 def _param(data: torch.Tensor, loader: object, from_checkpoint: bool = True) -> nn.Parameter:

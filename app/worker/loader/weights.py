@@ -25,6 +25,7 @@ from torch import nn
 
 from app.worker.layers import SHARD_ROWS
 from app.worker.layers.linear import FROM_CHECKPOINT, WEIGHT_LOADER, TPSlice, tp_slice
+from app.worker.layers.moe import FusedExperts
 from app.worker.models.dense import DenseCausalLM
 from app.worker.quantization import FP8_DTYPE, FP8_MAX, finish_loading
 
@@ -207,8 +208,17 @@ def load_weights(model: DenseCausalLM, model_dir: Path, load_format: str) -> str
     if load_format == "dummy":
         init_dummy(model)
         finish_loading(model, dummy_seed=DUMMY_SEED)
+        _finish_experts(model, dummy=True)
         return "dummy"
     resolved, files = checkpoint_files(model_dir, load_format)
     load_tensors(model, iterate_tensors(resolved, files))
     finish_loading(model)
+    _finish_experts(model, dummy=False)
     return resolved
+
+
+def _finish_experts(model: nn.Module, dummy: bool) -> None:
+    """MoE experts from a block-scaled FP8 checkpoint are requantized per channel once all are loaded."""
+    for module in model.modules():
+        if isinstance(module, FusedExperts):
+            module.finish_loading(dummy)

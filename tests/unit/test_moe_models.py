@@ -222,3 +222,18 @@ def test_tp2_greedy_outputs_match_one_process(models: dict[str, Path]) -> None:
     for rank, (wrong, outputs) in results.items():
         assert wrong == [], f"rank {rank}: {wrong} {outputs if wrong == ['error'] else ''}"
     assert results[0][1] == expected
+
+
+def test_weight_updates_fill_experts(models: dict[str, Path]) -> None:
+    """update_weights_from_tensor (RL) names experts as checkpoints do; a misshapen one is refused."""
+    from app.worker.loader.updates import UpdateError, update_from_tensors
+
+    model = load_ours(models["qwen3_moe"])
+    new_up = torch.full((48, 64), 0.25)
+    new_down = torch.full((64, 48), -0.5)
+    update_from_tensors(model, [("model.layers.1.mlp.experts.2.up_proj.weight", new_up),
+                                ("model.layers.1.mlp.experts.3.down_proj.weight", new_down)])  # fmt: skip
+    experts = model.model.layers[1].mlp.experts
+    assert torch.equal(experts.w13_weight[2, 48:], new_up) and torch.equal(experts.w2_weight[3], new_down)
+    with pytest.raises(UpdateError, match=r"experts\.0\.gate_proj\.weight has shape \[3, 64\]"):
+        update_from_tensors(model, [("model.layers.0.mlp.experts.0.gate_proj.weight", torch.zeros(3, 64))])

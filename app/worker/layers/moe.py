@@ -28,7 +28,14 @@ import torch
 from torch import nn
 
 from app.worker.layers.fused import kernel_module, use_fused
-from app.worker.layers.linear import FROM_CHECKPOINT, WEIGHT_LOADER, Linear, TPSlice, mark_tp_slices
+from app.worker.layers.linear import (
+    FROM_CHECKPOINT,
+    SHARD_VIEW,
+    WEIGHT_LOADER,
+    Linear,
+    TPSlice,
+    mark_tp_slices,
+)
 from app.worker.parallel import SINGLE, TensorParallel
 from app.worker.quantization.fp8 import FP8_DTYPE, FP8_MAX, quantize_rows, requantize_blocks_to_rows
 from app.worker.quantization.linear import DUMMY_RANGE
@@ -109,6 +116,8 @@ class FusedExperts(nn.Module):
             self.tiles = -(-local // b0)  # tile rows of gate (then of up) in w13_tile_scale
             self.w13_tile_scale = _param(torch.empty(e, 2 * self.tiles, -(-hidden // b1)), partial(self._load, "t13"))
             self.w2_tile_scale = _param(torch.empty(e, -(-hidden // b0), -(-local // b1)), partial(self._load, "t2"))
+        for name in ("w13", "w2"):  # weight updates fill 16-bit experts through the same views
+            setattr(getattr(self, f"{name}_weight"), SHARD_VIEW, partial(self._view, name))
         if tp.size > 1:  # the rank's rows of gate and up, its columns of down
             rows = TPSlice(0, tp.rank * local, local, spec.intermediate)
             cols = TPSlice(1, tp.rank * local, local, spec.intermediate)
@@ -118,15 +127,8 @@ class FusedExperts(nn.Module):
     def _load(self, which: str, tensor: torch.Tensor, shard: str | None) -> None:
         """Copy one expert's checkpoint tensor into its place: 16-bit as it is, or quantized per output
         channel (FP8 at load), or a block-scaled checkpoint's codes and tile scales as they are."""
-        kind, expert = str(shard).split(".")
-        e = int(expert)
-        up = kind == "up"
-        target = {
-            "w13": lambda: self.w13_weight.data[e, up * self.local : (up + 1) * self.local],
-            "w2": lambda: self.w2_weight.data[e],
-            "t13": lambda: self.w13_tile_scale.data[e, up * self.tiles : (up + 1) * self.tiles],
-            "t2": lambda: self.w2_tile_scale.data[e],
-        }[which]()
+        target = self._view(which, shard)
+        e, up = int(str(shard).split(".")[1]), str(shard).startswith("up.")
         if tuple(tensor.shape) != tuple(target.shape):
             raise ValueError(f"has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}")
         codes = which in ("w13", "w2") and self.block is not None
@@ -141,6 +143,16 @@ class FusedExperts(nn.Module):
             scale = self.w13_scale.data[e, up * self.local : (up + 1) * self.local] if which == "w13" else \
                 self.w2_scale.data[e]  # fmt: skip
             scale.copy_(scales.view(-1))
+
+    def _view(self, which: str, shard: str | None) -> torch.Tensor:
+        """Where one expert's checkpoint tensor goes: shard "gate.{e}", "up.{e}" or "down.{e}"."""
+        kind, expert = str(shard).split(".")
+        e, up = int(expert), kind == "up"
+        if which == "w13":
+            return self.w13_weight.data[e, up * self.local : (up + 1) * self.local]
+        if which == "t13":
+            return self.w13_tile_scale.data[e, up * self.tiles : (up + 1) * self.tiles]
+        return (self.w2_weight if which == "w2" else self.w2_tile_scale).data[e]
 
     def finish_loading(self, dummy: bool = False) -> None:
         """A block-scaled checkpoint's codes requantized per output channel (the kernels' layout: one more

@@ -24,7 +24,7 @@ from safetensors import safe_open
 from torch import nn
 
 from app.worker.layers import SHARD_ROWS
-from app.worker.layers.linear import FROM_CHECKPOINT, WEIGHT_LOADER, TPSlice, tp_slice
+from app.worker.layers.linear import FROM_CHECKPOINT, SHARD_VIEW, WEIGHT_LOADER, TPSlice, tp_slice
 from app.worker.layers.moe import FusedExperts
 from app.worker.models.dense import DenseCausalLM
 from app.worker.quantization import FP8_DTYPE, FP8_MAX, finish_loading
@@ -151,7 +151,9 @@ def shard_view(param: nn.Parameter, shard: str | None, part: TPSlice | None, ten
     """Where a checkpoint tensor (or this rank's part of it) goes in its parameter: the shard's rows, and
     within them the part's leading elements (the rest is the last vocab shard's zero padding)."""
     target = param.data
-    if shard is not None:
+    if hasattr(param, SHARD_VIEW):
+        target = getattr(param, SHARD_VIEW)(shard)
+    elif shard is not None:
         first, rows = getattr(param, SHARD_ROWS)[shard]
         target = target.narrow(0, first, rows)
     if part is not None and tensor.dim() > part.dim and tensor.shape[part.dim] == part.length < target.shape[part.dim]:

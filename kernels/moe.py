@@ -30,9 +30,14 @@ import triton.language as tl
 
 from .common import FP8_DTYPE, INTERPRETING, dot_precision, next_power_of_2
 
-# Up to this many (token, expert) pairs the decode kernels run: each pair reads its expert's rows once,
-# which at decode sizes is what the grouped GEMM reads too, without the sort and the padded tiles.
+# The per-pair GEMV reads an expert once per pair that chose it, the grouped GEMM once per expert. While the
+# pairs are at most half the experts most of them pick distinct experts, so the two read about the same and
+# the GEMV saves the sort and the padded tiles; up to this many pairs at most (Qwen3-30B-A3B: batch 8).
 DECODE_MAX_PAIRS = 64
+
+
+def use_decode_shape(pairs: int, num_experts: int, top_k: int) -> bool:
+    return pairs <= min(DECODE_MAX_PAIRS, max(top_k, num_experts // 2))
 WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, FP8_DTYPE)
 
 
@@ -250,8 +255,7 @@ def fused_moe(
 ) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], routing weights [T, k] and expert ids [T, k] (route_topk)
     -> sum over k of weight * down(SiLU(gate(x)) * up(x)) of each chosen expert, [T, H] in x's dtype.
-    FP8 codes need their scales ([E, 2I], [E, H]). decode: the per-pair GEMV (default: up to
-    DECODE_MAX_PAIRS pairs)."""
+    FP8 codes need their scales ([E, 2I], [E, H]). decode: the per-pair GEMV (default: use_decode_shape)."""
     _check(x, w13, w2, w13_scale, w2_scale, ids)
     t, top_k = ids.shape
     e, two_i, h = w13.shape
@@ -267,7 +271,7 @@ def fused_moe(
     s13 = w13_scale.float().contiguous() if w13_scale is not None else mid  # unread without HAS_SCALE
     s2 = w2_scale.float().contiguous() if w2_scale is not None else mid
     scaled = w13_scale is not None
-    if decode if decode is not None else pairs <= DECODE_MAX_PAIRS:
+    if decode if decode is not None else use_decode_shape(pairs, e, top_k):
         cfg = config if isinstance(config, MoeDecodeConfig) else pick_decode_config(inter, h)
         for a, w, s, c, n, k, a_div, gated in ((x, w13, s13, mid, inter, h, top_k, True),
                                                (mid, w2, s2, out_rows, h, inter, 1, False)):  # fmt: skip

@@ -110,13 +110,13 @@ TUNE_TOKENS = (1, 2, 4, 8, 16, 64, 256, 1024, 4096)
 def tune(args: argparse.Namespace) -> dict[str, Any]:
     """The fastest tile configuration of each expert shape per token count, against the default."""
     from tokenspeed_kernels.moe import (
-        DECODE_MAX_PAIRS,
         MoeConfig,
         MoeDecodeConfig,
         fused_moe,
         pick_config,
         pick_decode_config,
         route_topk,
+        use_decode_shape,
     )
     from transformers import AutoConfig
 
@@ -140,7 +140,7 @@ def tune(args: argparse.Namespace) -> dict[str, Any]:
         for tokens in TUNE_TOKENS:
             x = torch.randn(tokens, h, device=dev).bfloat16()
             route_w, ids = route_topk(torch.randn(tokens, e, device=dev), k, spec.renormalize)
-            decode = tokens * k <= DECODE_MAX_PAIRS
+            decode = use_decode_shape(tokens * k, e, k)
             grid = decode_grid if decode else grouped_grid
             default = pick_decode_config(inter, h) if decode else pick_config(tokens * k)
 

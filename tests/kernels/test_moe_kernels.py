@@ -16,6 +16,7 @@ from tokenspeed_kernels.moe import (
     moe_align,
     route_topk,
     route_topk_reference,
+    use_decode_shape,
 )
 
 from app.worker.quantization.fp8 import quantize_rows
@@ -92,3 +93,18 @@ def test_fused_moe_refuses_codes_without_scales() -> None:
     w13, w2, _, _ = _experts(3, 16, 8, fp8=False)
     with pytest.raises(ValueError, match="scales"):
         fused_moe(torch.zeros(1, 16), w13.to(FP8_DTYPE), w2, torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.int32))
+
+
+def test_decode_shape_while_pairs_pick_distinct_experts() -> None:
+    assert use_decode_shape(8, 128, 8) and use_decode_shape(64, 128, 8)  # Qwen3-30B-A3B, batch 1 and 8
+    assert not use_decode_shape(72, 128, 8)
+    assert use_decode_shape(2, 8, 2) and use_decode_shape(4, 8, 2)  # Mixtral, batch 1 and 2
+    assert not use_decode_shape(8, 8, 2)  # batch 4: the grouped GEMM reads each expert once
+
+
+def test_default_shape_matches_reference() -> None:
+    w13, w2, _, _ = _experts(4, 24, 16, fp8=False)
+    x = torch.randn(6, 24, generator=torch.Generator().manual_seed(3))
+    weights, ids = route_topk(torch.randn(6, 4, generator=torch.Generator().manual_seed(4)), 2, renormalize=False)
+    out = fused_moe(x, w13, w2, weights, ids)  # 12 pairs of 4 experts: grouped
+    assert relative_error(out, fused_moe_reference(x, w13, w2, weights, ids)) < 1e-5

@@ -104,3 +104,43 @@ def test_cuda_graph_replays_eager(tokens: int) -> None:
         graph.replay()
         torch.testing.assert_close(captured, block(x), rtol=0, atol=0)
     assert eager.shape == (tokens, 2048)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_cuda_float32_greedy_matches_transformers(arch: str, tmp_path) -> None:  # noqa: ANN001
+    """The kernels in float32 (IEEE dots) through the runner with CUDA graphs: token for token."""
+    from app.worker.model_runner import ModelRunner
+    from tests.gpu.test_model_runner_gpu import settings
+    from tests.support.model_factory import build_tiny_model
+    from tests.unit.test_model_runner import Request, ScriptedScheduler, hf_greedy, prompts_for
+
+    model_dir = build_tiny_model(arch, tmp_path, seed=2)
+    runner = ModelRunner(settings(model_dir, dtype="float32", block_size=4), CUDA)
+    runner.warmup()
+    prompts = prompts_for(runner.vocab_size, [5, 41, 12])
+    sched = ScriptedScheduler(runner)
+    for i, prompt in enumerate(prompts):
+        sched.add(Request(f"r{i}", prompt, max_new=32, join_step=3 * i))
+    outputs = sched.run()
+    for i, prompt in enumerate(prompts):
+        assert outputs[f"r{i}"] == hf_greedy(model_dir, prompt, 32, device="cuda"), f"r{i}"
+
+
+def test_cuda_bfloat16_logits_close_to_transformers(tmp_path) -> None:  # noqa: ANN001
+    """bf16: the first greedy token is (near) transformers' best, the dense models' tolerance."""
+    from app.protocol import NewSeq, SamplingParams, SeqChunk, StepPlan
+    from app.worker.model_runner import ModelRunner
+    from tests.gpu.test_model_runner_gpu import settings
+    from tests.support.model_factory import build_tiny_model
+    from tests.unit.test_model_runner import hf_model, prompts_for
+
+    model_dir = build_tiny_model("qwen3_moe", tmp_path, seed=3)
+    runner = ModelRunner(settings(model_dir), CUDA)
+    prompt = prompts_for(runner.vocab_size, [20])[0]
+    plan = StepPlan(step=0, new_seqs=[NewSeq(0, "a", SamplingParams(temperature=0.0), 20, [0, 1])],
+                    chunks=[SeqChunk(0, prompt)])  # fmt: skip
+    first = runner.execute(plan).token_ids[0]
+    reference = hf_model(model_dir, "cuda", torch.bfloat16)
+    with torch.no_grad():
+        logits = reference(torch.tensor([prompt], device="cuda")).logits[0, -1].float()
+    assert logits.max() - logits[first] <= 0.05 * logits.abs().max()

@@ -69,6 +69,19 @@ def test_prefill_logits_match_transformers_and_every_expert_is_used(arch: str, m
     assert chosen == {(i, e) for i in range(LAYERS) for e in range(4)}  # every expert of every layer ran
 
 
+def test_dense_layers_between_sparse_ones(tmp_path: Path) -> None:
+    """Qwen's mlp_only_layers and decoder_sparse_step: layer 0 dense (its MLP of intermediate_size),
+    layer 1 dense by the step, layer 2 sparse."""
+    model_dir = build_tiny_model("qwen3_moe", tmp_path, seed=5, mlp_only_layers=[0], decoder_sparse_step=3)
+    ours = load_ours(model_dir)
+    assert [type(layer.mlp).__name__ for layer in ours.model.layers] == ["DenseMLP", "DenseMLP", "SparseMoeBlock"]
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompt = _prompts(reference.config.vocab_size)[1]
+    with torch.no_grad():
+        expected = reference(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(prefill_logits(ours, [prompt])[0], expected, atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_greedy_matches_transformers_generate(arch: str, models: dict[str, Path]) -> None:
     runner = ModelRunner(make_settings(models[arch]), CPU)

@@ -76,7 +76,7 @@ def test_fused_moe_matches_reference(decode: bool, fp8: bool) -> None:
     weights, ids = route_topk(logits, k, renormalize=True)
     ids[:e, 0] = torch.arange(e, dtype=torch.int32)  # every expert chosen at least once
     ids[:e, 1] = (ids[:e, 0] + 1) % e
-    config = MoeDecodeConfig(block_n=8, block_k=16) if decode else MoeConfig(block_m=16, block_n=16, block_k=16)
+    config = MoeDecodeConfig(block_n=16, block_k=32) if decode else MoeConfig(block_m=16, block_n=16, block_k=16)
     out = fused_moe(x, w13, w2, weights, ids, s13, s2, decode=decode, config=config)
     ref = fused_moe_reference(x, w13, w2, weights, ids, s13, s2)
     assert out.shape == (t, h)

@@ -15,7 +15,8 @@ Experts: w13 [E, 2I, H] holds each expert's gate rows then its up rows, w2 [E, H
 - Decode (a few pairs): one program per pair and BLOCK_N slice, a GEMV in float32 registers reading only
   the weights of the experts the pairs picked; no sort, no padding.
 A token's k weighted outputs are then summed in one more launch (a sum over k: deterministic, unlike
-atomic adds into the output). FP8 codes are converted to the activation dtype in registers (exact) and
+atomic adds into the output). Under programmatic dependent launch (common.set_pdl) each kernel waits for
+the one before it first, as the other decode-path kernels do. FP8 codes are converted to the activation dtype in registers (exact) and
 the per-channel scales multiply the float32 sums.
 """
 
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .common import FP8_DTYPE, INTERPRETING, dot_precision, next_power_of_2
+from .common import FP8_DTYPE, INTERPRETING, dot_precision, next_power_of_2, pdl_options, wait_for_predecessor
 
 # The per-pair GEMV reads an expert once per pair that chose it, the grouped GEMM once per expert. While the
 # pairs are at most half the experts most of them pick distinct experts, so the two read about the same and
@@ -46,9 +47,10 @@ WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, FP8_DTYPE)
 
 @triton.jit
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_t, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_E)
+    wait_for_predecessor(USE_PDL)  # the router's logits
     ok = cols < E
     x = tl.load(logits_ptr + row * stride_t + cols, mask=ok, other=-float("inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, 0))
@@ -82,7 +84,7 @@ def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[tor
     ids = torch.empty(t, top_k, dtype=torch.int32, device=logits.device)
     if t:
         _route_kernel[(t,)](logits, weights, ids, e, logits.stride(0), TOP_K=top_k, RENORMALIZE=renormalize,
-                            BLOCK_E=next_power_of_2(e), BLOCK_K=next_power_of_2(top_k))  # fmt: skip
+                            BLOCK_E=next_power_of_2(e), BLOCK_K=next_power_of_2(top_k), **pdl_options())  # fmt: skip
     return weights, ids
 
 
@@ -148,11 +150,13 @@ def _moe_gemm_kernel(
     N, K, PAIRS, stride_am, stride_we, stride_wn, stride_se, stride_cm,
     A_DIV: tl.constexpr, GATED: tl.constexpr, MUL_ROUTE: tl.constexpr, HAS_SCALE: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """c[pair, n] for BLOCK_M pairs of one expert: a's row pair // A_DIV times the expert's rows n (and,
     GATED, n + N: SiLU(gate) * up), times the pair's routing weight with MUL_ROUTE."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    wait_for_predecessor(USE_PDL)  # the grouping and the activations come from the kernels before
     expert = tl.load(block_expert_ptr + pid_m)
     if expert >= 0:
         pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
@@ -198,12 +202,13 @@ def _moe_gemv_kernel(
     a_ptr, w_ptr, scale_ptr, c_ptr, route_ptr, ids_ptr,
     N, K, stride_am, stride_we, stride_wn, stride_se, stride_cm,
     A_DIV: tl.constexpr, GATED: tl.constexpr, MUL_ROUTE: tl.constexpr, HAS_SCALE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """The decode shape: c[pair, n] for one pair and BLOCK_N outputs, products in float32 registers summed
     over K once at the end."""
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
+    wait_for_predecessor(USE_PDL)  # the expert ids and the activations come from the kernels before
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
@@ -280,6 +285,7 @@ def fused_moe(
                 s.stride(0) if scaled else 0, c.stride(0),
                 A_DIV=a_div, GATED=gated, MUL_ROUTE=not gated, HAS_SCALE=scaled,
                 BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                **pdl_options(),
             )  # fmt: skip
     else:
         cfg = config if isinstance(config, MoeConfig) else pick_config(pairs)
@@ -291,7 +297,7 @@ def fused_moe(
                 s.stride(0) if scaled else 0, c.stride(0),
                 A_DIV=a_div, GATED=gated, MUL_ROUTE=not gated, HAS_SCALE=scaled,
                 PRECISION=dot_precision(x.dtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(),
             )  # fmt: skip
     return out_rows.view(t, top_k, h).sum(1)
 

@@ -21,6 +21,7 @@ Then on the H200: pytest tests/gpu/test_moe_gpu.py (the kernels against float64,
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -74,6 +75,7 @@ def runner_decode(args: argparse.Namespace, quantization: str | None) -> dict[st
         parser.add_argument(flag, type=int, default=default)
     parser.add_argument("--copy-bandwidth", type=float, default=None)
     result = bench_latency.run(parser.parse_args(argv))
+    gc.collect()  # the runner's modules and their parameters' loaders reference each other: free it now
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
     return result

@@ -138,8 +138,10 @@ class MoeConfig:
 
 @dataclass(frozen=True)
 class MoeDecodeConfig:
-    block_n: int = 16
-    block_k: int = 256
+    # Defaults near the FMA shape kernels/gemv.py measured fastest for one row (8 x 1024 over 4096-wide
+    # rows); the experts' rows are 768 to 2048 wide. Not tuned on these shapes yet (bench_moe.py --tune).
+    block_n: int = 8
+    block_k: int = 512
     num_warps: int = 4
     num_stages: int = 3
 

@@ -62,7 +62,9 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_t, TOP_K: tl.const
     top_id = tl.zeros((BLOCK_K,), dtype=tl.int32)
     for i in tl.static_range(TOP_K):
         best = tl.max(left, 0)
-        pick = tl.min(tl.where(left == best, cols, BLOCK_E), 0)  # the lowest id among equals
+        # The lowest id among equals; clamped so that a NaN row (no equal) still names an expert: its NaN
+        # weights then poison only its own token, never an out-of-range read.
+        pick = tl.minimum(tl.min(tl.where(left == best, cols, BLOCK_E), 0), E - 1)
         top_w = tl.where(kk == i, best, top_w)
         top_id = tl.where(kk == i, pick, top_id)
         left = tl.where(cols == pick, -2.0, left)

@@ -41,6 +41,14 @@ def test_router_matches_reference_with_ties(renormalize: bool) -> None:
     assert ids[0].tolist() == top.indices.tolist()
 
 
+def test_router_names_real_experts_for_a_nan_row() -> None:
+    logits = torch.randn(3, 6, generator=torch.Generator().manual_seed(1))
+    logits[1, 2] = float("nan")
+    weights, ids = route_topk(logits, 2, renormalize=True)
+    assert ((ids >= 0) & (ids < 6)).all()
+    assert torch.isfinite(weights[[0, 2]]).all()  # the other tokens untouched
+
+
 def test_align_groups_pairs_by_expert() -> None:
     ids = torch.tensor([[2, 0], [2, 3], [0, 2], [3, 2]], dtype=torch.int32)  # expert 1 unused
     sorted_ids, block_expert = moe_align(ids, 4, block_m=2)

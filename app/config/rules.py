@@ -51,6 +51,12 @@ def parallelism_problems(s: Settings) -> list[Problem]:
             f"--dense-tp-size {s.dense_tp_size} differs from --tensor-parallel-size {tp}: different attention and "
             "dense TP sizes need attention data parallelism, which is not built yet (leave it unset or equal)",
         ))
+    if s.moe_tp_size is not None and s.moe_tp_size != tp:
+        problems.append(Problem(
+            ("moe_tp_size", "tensor_parallel_size"),
+            f"--moe-tp-size {s.moe_tp_size} differs from --tensor-parallel-size {tp}: the experts are split over "
+            "the TP ranks (leave it unset or equal); a different size needs expert parallelism, not built",
+        ))
     if s.world_size is not None and s.world_size != world:
         problems.append(Problem(
             ("world_size", "tensor_parallel_size", "data_parallel_size"),

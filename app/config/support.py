@@ -43,7 +43,8 @@ def _all(fields: Iterable[str], value: Any, why: str) -> list[Rule]:
     return [only(f, value, why=why) for f in fields]
 
 
-_MOE = "MoE models (and with them expert parallelism and MoE tensor parallelism) are not built yet"
+_EP = ("expert parallelism is not built: it needs several GPUs to spread the experts over; this build holds every "
+       "expert on each TP rank, its intermediate dimension split over the ranks (--moe-tp-size = TP size)")
 _COMM_FUSION = "fused all-reduce + norm kernels are not built yet (tensor parallelism uses plain all-reduces)"
 _SPEC = "speculative decoding is not built yet"
 _KVSTORE = "this build has no host KV store (--disable-kvstore is the only mode)"
@@ -69,10 +70,11 @@ RULES: tuple[Rule, ...] = (
          why="nvfp4 and mxfp4 need NVIDIA Blackwell GPUs (B200/GB200, SM100 or newer); this build runs FP8 "
          "(fp8, w8a8_fp8, compressed-tensors) on Hopper (H100/H200) and Ada"),
     # Parallelism: tensor and data parallel and multi-node are built (app/topology.py; the combinations
-    # are checked in rules.py); expert parallelism waits for MoE models.
-    only("moe_tp_size", None, why=_MOE),
-    only("expert_parallel_size", 1, why=_MOE),
-    only("enable_expert_parallel", False, why=_MOE),
+    # are checked in rules.py, --moe-tp-size with them); expert parallelism needs several GPUs.
+    Rule("moe_tp_size", lambda v: v is None or v >= 1, _EP,
+         "unset, or equal to --tensor-parallel-size (checked with it)"),
+    only("expert_parallel_size", 1, why=_EP),
+    only("enable_expert_parallel", False, why=_EP),
     only("mm_encoder_tp_mode", "weights", why="multimodal models are not built yet"),
     # Backends.
     only("attention_backend", None, "torch", "triton", "flashinfer",
@@ -82,9 +84,11 @@ RULES: tuple[Rule, ...] = (
          "flashinfer_full, triton and triton_full samplers are not built"),
     only("drafter_attention_backend", None, why=_SPEC),
     only("draft_moe_backend", None, why=_SPEC),
-    only("moe_backend", "auto", why=_MOE),
-    only("all2all_backend", "none", why=_MOE),
-    only("deepep_mode", "auto", why=_MOE),
+    only("moe_backend", "auto", "triton",
+         why="this build has the triton MoE backend (kernels/moe.py; auto picks it); the gluon, flashinfer, "
+         "deep_gemm and mega_moe backends are not built"),
+    only("all2all_backend", "none", why=_EP),
+    only("deepep_mode", "auto", why=_EP),
     only("dp_sampling", False, why="data-parallel sampling is not built yet"),
     # Reasoning and tools.
     *_all(["reasoning_parser", "tool_call_parser"], None, _PARSERS),

@@ -64,6 +64,7 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
         gemv,
         greedy,
         kv_write,
+        moe,
         page_table,
         prefill_attention,
         rmsnorm,
@@ -120,6 +121,27 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
     indptr = torch.tensor([0, 2, 5], dtype=torch.int32)
     out.append(("flatten_block_tables", lambda: page_table.flatten_block_tables(table, indptr, 5)))
     out += gemv_cases(gemv)
+    return out + moe_cases(moe)
+
+
+def moe_cases(moe) -> list[tuple[str, Callable[[], object]]]:  # noqa: ANN001
+    """The router, and both expert shapes (per-pair GEMV, grouped GEMM) with 16-bit and FP8 weights."""
+    out = []
+    e, k, h, inter, tokens = 16, 4, 256, 96, 3
+    for dtype in (*HALF_TYPES, torch.float32):
+        logits = torch.zeros(tokens, e, dtype=dtype)
+        out.append((f"route_topk {dtype}", lambda logits=logits: moe.route_topk(logits, k, True)))
+    weights, ids = torch.ones(tokens, k), torch.zeros(tokens, k, dtype=torch.int32)
+    for w_dtype in (*HALF_TYPES, FP8):
+        w13, w2 = torch.zeros(e, 2 * inter, h).to(w_dtype), torch.zeros(e, h, inter).to(w_dtype)
+        scales = (torch.ones(e, 2 * inter), torch.ones(e, h)) if w_dtype == FP8 else (None, None)
+        for x_dtype in HALF_TYPES if w_dtype == FP8 else (w_dtype,):  # 16-bit experts are in the model dtype
+            x = torch.zeros(tokens, h, dtype=x_dtype)
+            name = "float8" if w_dtype == FP8 else str(w_dtype)
+            for decode in (True, False):
+                out.append((f"fused_moe {name} x {x_dtype} {'decode' if decode else 'grouped'}",
+                            lambda x=x, w13=w13, w2=w2, s=scales, d=decode: moe.fused_moe(
+                                x, w13, w2, weights, ids, *s, decode=d)))  # fmt: skip
     return out
 
 

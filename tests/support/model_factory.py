@@ -1,4 +1,5 @@
-"""Tiny random Llama / Qwen2 / Qwen3 / Mistral checkpoints, written the way Hugging Face writes them.
+"""Tiny random Llama / Qwen2 / Qwen3 / Mistral checkpoints, and the MoE families (Qwen3-MoE, Mixtral,
+Qwen2-MoE: experts one tensor each), written the way Hugging Face writes them.
 
 The weights are drawn with a large initializer range and untied embeddings: with the usual 0.02 a
 tiny random model's greedy output collapses into one repeated token, which would make parity tests
@@ -17,14 +18,32 @@ from transformers import (
     GenerationConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 from transformers.utils import logging as hf_logging
 
 from tests.support.tokenizer_factory import build_tokenizer
 
-_CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}
+_CONFIGS = {
+    "llama": LlamaConfig,
+    "qwen2": Qwen2Config,
+    "qwen3": Qwen3Config,
+    "mistral": MistralConfig,
+    "qwen3_moe": Qwen3MoeConfig,
+    "mixtral": MixtralConfig,
+    "qwen2_moe": Qwen2MoeConfig,
+}
+# The MoE families' experts: few and small, several chosen a token so that every expert is exercised.
+_MOE: dict[str, dict[str, Any]] = {
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "norm_topk_prob": True},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 48},
+    "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                  "shared_expert_intermediate_size": 64, "norm_topk_prob": False},
+}
 
 _BASE: dict[str, Any] = {
     "hidden_size": 64,
@@ -69,6 +88,7 @@ def build_tiny_model(
         "eos_token_id": eos_id,
         "bos_token_id": None,
         "pad_token_id": tokenizer.pad_token_id,
+        **_MOE.get(arch, {}),
         **overrides,
     }
     config = _CONFIGS[arch](**fields)

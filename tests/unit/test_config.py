@@ -405,7 +405,8 @@ def test_unsupported_message_names_flag_and_source() -> None:
     ["--sampling-backend", "triton_full"], ["--kv-cache-quant-method", "per_token_head"],
     ["--load-format", "npcache"],
     ["--load-format", "extensible"], ["--tokenizer-mode", "deepseek_v4"],
-    ["--moe-tp-size", "2"], ["--enable-expert-parallel"], ["--ep-size", "2"], ["--mm-encoder-tp-mode", "data"], ["--moe-backend", "triton"], ["--all2all-backend", "deepep"],
+    ["--enable-expert-parallel"], ["--ep-size", "2"], ["--mm-encoder-tp-mode", "data"], ["--moe-backend", "gluon"],
+    ["--moe-backend", "flashinfer_cutlass"], ["--all2all-backend", "deepep"],
     ["--deepep-mode", "normal"], ["--drafter-attention-backend", "fa3"], ["--draft-moe-backend", "triton"],
     ["--reasoning-parser", "qwen3"], ["--tool-call-parser", "json"], ["--enable-custom-logit-processor"],
     ["--speculative-draft-model-path", "d"], ["--speculative-num-steps", "2"], ["--speculative-eagle-topk", "2"],
@@ -433,9 +434,16 @@ def test_unbuilt_features_are_refused(argv: list[str]) -> None:
     ["--attention-backend", "flashinfer"], ["--attention-backend", "triton"], ["--max-cudagraph-capture-size", "8"],
     ["--kv-cache-dtype", "fp8"], ["--quantization", "fp8"], ["--quantization", "w8a8_fp8"],
     ["--enable-metrics"], ["--enable-log-request-stats"], ["--kv-events-config", '{"enable_kv_cache_events": true}'],
+    ["--moe-backend", "triton"], ["--moe-tp-size", "1"], ["--tp", "2", "--moe-tp-size", "2"],
 ])
 def test_built_features_are_accepted(argv: list[str]) -> None:
     load(["m", *argv])
+
+
+def test_moe_tp_size_other_than_tp_and_expert_parallelism_are_refused() -> None:
+    assert "--moe-tp-size 2 differs from --tensor-parallel-size 1" in error_of(["m", "--moe-tp-size", "2"])
+    for argv in (["--ep-size", "2"], ["--enable-expert-parallel"]):
+        assert "expert parallelism is not built: it needs several GPUs" in error_of(["m", *argv])
 
 
 def test_support_rules_accept_every_default_and_name_real_fields() -> None:

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "configs" / "recipes"
 DOCS = ROOT / "docs" / "recipes.md"
 
-FP8_RECIPES = ("qwen3-8b-fp8.yaml", "llama-3.1-8b-instruct-fp8.yaml")
+FP8_RECIPES = ("qwen3-8b-fp8.yaml", "llama-3.1-8b-instruct-fp8.yaml", "qwen3-30b-a3b-fp8.yaml")
 # Recipes for local models, owned by the config and model work (not Hub models).
 LOCAL = {"smollm2-135m-instruct.yaml", "tiny-test.yaml"}
 
@@ -49,10 +49,13 @@ MODELS: dict[str, Model] = {
     "meta-llama/Llama-3.1-8B-Instruct": Model(131072, 32, 8, 128, 8.0e9),
     "Qwen/Qwen2.5-7B-Instruct": Model(32768, 28, 4, 128, 7.6e9),
     "mistralai/Mistral-7B-Instruct-v0.3": Model(32768, 32, 8, 128, 7.25e9),
+    "Qwen/Qwen3-30B-A3B": Model(40960, 48, 4, 128, 30.5e9),
+    "Qwen/Qwen3-30B-A3B-FP8": Model(40960, 48, 4, 128, 30.5e9),
 }
 CATALOGUE = {
     "qwen3-0.6b-bf16.yaml", "qwen3-8b-bf16.yaml", "qwen3-8b-fp8.yaml", "llama-3.1-8b-instruct-bf16.yaml",
     "llama-3.1-8b-instruct-fp8.yaml", "qwen2.5-7b-instruct-bf16.yaml", "mistral-7b-instruct-v0.3-bf16.yaml",
+    "qwen3-30b-a3b-bf16.yaml", "qwen3-30b-a3b-fp8.yaml",
 }
 READY = sorted(CATALOGUE)
 
@@ -109,5 +112,4 @@ def test_docs_list_every_recipe() -> None:
     text = DOCS.read_text()
     for name in sorted(CATALOGUE | LOCAL):
         assert f"`{name}`" in text, name
-    assert "Qwen3-30B-A3B" in text and "MoE" in text  # the MoE recipe waits for MoE support
-    assert not list(RECIPES.glob("qwen3-30b-a3b*"))
+    assert "Qwen3-30B-A3B" in text and "MoE" in text

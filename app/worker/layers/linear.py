@@ -34,6 +34,9 @@ SHARD_ROWS = "shard_rows"
 # while loading rather than read from the checkpoint.
 WEIGHT_LOADER = "weight_loader"
 FROM_CHECKPOINT = "from_checkpoint"
+# Attribute set on parameters that stack checkpoint tensors other than by rows (the MoE experts'
+# [E, rows, cols]): a callable(shard_id) returning the view that checkpoint tensor fills.
+SHARD_VIEW = "shard_view"
 # Attribute set on tensor-parallel parameters: {shard_id: TPSlice}, the part of each checkpoint tensor
 # this rank holds.
 TP_SLICES = "tp_slices"

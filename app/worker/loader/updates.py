@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import load as load_safetensors
 
 from app.worker.layers import SHARD_ROWS
-from app.worker.layers.linear import TPSlice, tp_slice
+from app.worker.layers.linear import SHARD_VIEW, TPSlice, tp_slice
 from app.worker.loader.hf_config import load_hf_config
 from app.worker.loader.source import resolve_model_path
 from app.worker.loader.update_group import UpdateGroup, open_update_group
@@ -62,6 +62,8 @@ class _Target:
     def view(self) -> torch.Tensor:
         """The rows of the parameter this checkpoint tensor (this rank's part of it) fills."""
         data = self.param.data
+        if hasattr(self.param, SHARD_VIEW):
+            return getattr(self.param, SHARD_VIEW)(self.shard)
         if self.shard is None:
             return data
         first, rows = getattr(self.param, SHARD_ROWS)[self.shard]

@@ -24,9 +24,10 @@ from safetensors import safe_open
 from torch import nn
 
 from app.worker.layers import SHARD_ROWS
-from app.worker.layers.linear import FROM_CHECKPOINT, WEIGHT_LOADER, TPSlice, tp_slice
+from app.worker.layers.linear import FROM_CHECKPOINT, SHARD_VIEW, WEIGHT_LOADER, TPSlice, tp_slice
+from app.worker.layers.moe import FusedExperts
 from app.worker.models.dense import DenseCausalLM
-from app.worker.quantization import FP8_DTYPE, finish_loading
+from app.worker.quantization import FP8_DTYPE, FP8_MAX, finish_loading
 
 LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
 DUMMY_SEED = 1234
@@ -162,7 +163,9 @@ def shard_view(param: nn.Parameter, shard: str | None, part: TPSlice | None, ten
     """Where a checkpoint tensor (or this rank's part of it) goes in its parameter: the shard's rows, and
     within them the part's leading elements (the rest is the last vocab shard's zero padding)."""
     target = param.data
-    if shard is not None:
+    if hasattr(param, SHARD_VIEW):
+        target = getattr(param, SHARD_VIEW)(shard)
+    elif shard is not None:
         first, rows = getattr(param, SHARD_ROWS)[shard]
         target = target.narrow(0, first, rows)
     if part is not None and tensor.dim() > part.dim and tensor.shape[part.dim] == part.length < target.shape[part.dim]:
@@ -197,7 +200,8 @@ def _copy_into(param: nn.Parameter, tensor: torch.Tensor, name: str, shard: str 
 
 
 def init_dummy(model: nn.Module) -> None:
-    """Every floating parameter uniform(-1e-3, 1e-3) from a generator seeded DUMMY_SEED (per device)."""
+    """Every floating parameter uniform(-1e-3, 1e-3) from a generator seeded DUMMY_SEED (per device); FP8
+    codes not drawn by a quantization method (MoE experts) uniform over e4m3's range."""
     generators: dict[torch.device, torch.Generator] = {}
     with torch.no_grad():
         for _, param in model.named_parameters():
@@ -206,6 +210,10 @@ def init_dummy(model: nn.Module) -> None:
             gen = generators.get(param.device)
             if gen is None:
                 gen = generators[param.device] = torch.Generator(device=param.device).manual_seed(DUMMY_SEED)
+            if param.dtype == FP8_DTYPE:  # codes over e4m3's range; their layer's scales make them dummy-sized
+                for part in param.data:  # a float draw of one slice at a time (an expert's)
+                    part.copy_(torch.empty(part.shape, device=param.device).uniform_(-FP8_MAX, FP8_MAX, generator=gen))
+                continue
             param.uniform_(-1e-3, 1e-3, generator=gen)
 
 
@@ -216,10 +224,19 @@ def load_weights(model: DenseCausalLM, model_dir: Path, load_format: str,
     if load_format == "dummy":
         init_dummy(model)
         finish_loading(model, dummy_seed=DUMMY_SEED)
+        _finish_experts(model, dummy=True)
         return "dummy"
     resolved, files = checkpoint_files(model_dir, load_format)
     gb = sum(path.stat().st_size for path in files) / 1e9
     report = None if progress is None else (lambda done: progress(f"{done:.0%} of {gb:.1f} GB"))
     load_tensors(model, iterate_tensors(resolved, files, report))
     finish_loading(model)
+    _finish_experts(model, dummy=False)
     return resolved
+
+
+def _finish_experts(model: nn.Module, dummy: bool) -> None:
+    """MoE experts from a block-scaled FP8 checkpoint are requantized per channel once all are loaded."""
+    for module in model.modules():
+        if isinstance(module, FusedExperts):
+            module.finish_loading(dummy)

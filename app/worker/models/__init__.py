@@ -6,14 +6,20 @@ from typing import Any
 
 from app.worker.models.dense import DenseCausalLM
 from app.worker.models.llama import LlamaForCausalLM, MistralForCausalLM
+from app.worker.models.mixtral import MixtralForCausalLM
 from app.worker.models.qwen2 import Qwen2ForCausalLM
+from app.worker.models.qwen2_moe import Qwen2MoeForCausalLM
 from app.worker.models.qwen3 import Qwen3ForCausalLM
+from app.worker.models.qwen3_moe import Qwen3MoeForCausalLM
 
 _FAMILIES: tuple[type[DenseCausalLM], ...] = (
     LlamaForCausalLM,
     MistralForCausalLM,
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
+    Qwen3MoeForCausalLM,
+    MixtralForCausalLM,
+    Qwen2MoeForCausalLM,
 )
 MODEL_REGISTRY: dict[str, type[DenseCausalLM]] = {
     arch: cls for cls in _FAMILIES for arch in cls.architectures
@@ -45,8 +51,11 @@ __all__ = [
     "DenseCausalLM",
     "LlamaForCausalLM",
     "MistralForCausalLM",
+    "MixtralForCausalLM",
     "Qwen2ForCausalLM",
+    "Qwen2MoeForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
     "UnsupportedModelError",
     "model_class_for",
 ]

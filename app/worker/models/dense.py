@@ -10,6 +10,7 @@ metadata says which tokens belong to which sequence.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -45,6 +46,8 @@ class DenseOptions:
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     quant: Fp8LinearMethod | None = None  # FP8 decoder linears (embeddings and LM head stay unquantized)
     tp: TensorParallel = SINGLE  # this rank's tensor-parallel group: heads, MLP rows and vocab are split
+    # Layer index -> that layer's MLP, where it is not DenseMLP (the MoE families: app/worker/models/moe.py).
+    mlp: Callable[[int], nn.Module] | None = None
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,9 @@ class DenseMLP(nn.Module):
         self.act = SiluAndMul()
         self.down_proj = RowParallelLinear(dims.intermediate, dims.hidden, opts.mlp_bias, dtype, opts.quant, opts.tp)
 
+    def takes_quantized_rows(self) -> bool:
+        return self.gate_up_proj.takes_quantized_rows()
+
     def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         # FP8: SiLU's output comes quantized
@@ -142,7 +148,7 @@ class DenseDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(dims.hidden, dims.eps, dtype)
         self.self_attn = DenseAttention(dims, opts, layer_idx, dtype)
         self.post_attention_layernorm = RMSNorm(dims.hidden, dims.eps, dtype)
-        self.mlp = DenseMLP(dims, opts, dtype)
+        self.mlp = opts.mlp(layer_idx) if opts.mlp is not None else DenseMLP(dims, opts, dtype)
 
     def forward(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: Rope, attn: AttentionMetadata
@@ -157,7 +163,7 @@ class DenseDecoderLayer(nn.Module):
         else:
             normed, residual = self.input_layernorm.add_forward(hidden, residual, quantize)
         attn_out = self.self_attn(normed, rope, attn)
-        quantize = self.mlp.gate_up_proj.takes_quantized_rows()
+        quantize = self.mlp.takes_quantized_rows()
         normed, residual = self.post_attention_layernorm.add_forward(attn_out, residual, quantize)
         return self.mlp(normed), residual
 
@@ -218,10 +224,15 @@ class DenseCausalLM(nn.Module):
         dims.check_tp(tp.size)
         self.dtype = dtype
         rotary = RotaryEmbedding(rope_spec_from_config(config, dims.head_dim), max_positions)
-        self.model = DenseModel(dims, replace(self.options(config), quant=quant, tp=tp), rotary, dtype)
+        opts = self.with_mlp(config, replace(self.options(config), quant=quant, tp=tp), dtype)
+        self.model = DenseModel(dims, opts, rotary, dtype)
         tied = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = LMHead(dims.vocab_size, dims.hidden, dtype, self.model.embed_tokens if tied else None, tp)
         self.local_dims = dims.local(tp)
+
+    def with_mlp(self, config: Any, opts: DenseOptions, dtype: torch.dtype) -> DenseOptions:
+        """The options with the MLP each layer gets (dense here; the MoE families override it)."""
+        return opts
 
     @property
     def attention_spec(self) -> AttentionSpec:

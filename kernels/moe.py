@@ -1,0 +1,351 @@
+"""Mixture-of-experts kernels: the router (softmax and top-k in one kernel) and the fused expert MLP.
+
+Router: logits [T, E] -> routing weights [T, k] float32 and expert ids [T, k] int32. Softmax in float32
+over all E experts, then the k largest (the lowest expert id first among equal probabilities, so ties are
+deterministic), renormalised to sum to one where the model says (Mixtral, Qwen3-MoE's norm_topk_prob).
+
+Experts: w13 [E, 2I, H] holds each expert's gate rows then its up rows, w2 [E, H, I] its down projection;
+16-bit, or FP8 e4m3 codes with per-output-channel float32 scales ([E, 2I] and [E, H]). The T*k
+(token, expert) pairs are multiplied in two shapes of kernel:
+- Grouped (prefills): `moe_align` sorts the pairs by expert and pads each expert's group to BLOCK_M rows
+  with static sizes (no host sync: the step can be captured in a CUDA graph), then one grouped GEMM per
+  projection, each program taking BLOCK_M rows of one expert and a BLOCK_N slice of its outputs. The
+  first reads the expert's gate and up rows together and writes SiLU(gate) * up per pair; the second
+  multiplies the routing weight in.
+- Decode (a few pairs): one program per pair and BLOCK_N slice, a GEMV in float32 registers reading only
+  the weights of the experts the pairs picked; no sort, no padding.
+A token's k weighted outputs are then summed in one more launch (a sum over k: deterministic, unlike
+atomic adds into the output). Under programmatic dependent launch (common.set_pdl) each kernel waits for
+the one before it first, as the other decode-path kernels do. FP8 codes are converted to the activation dtype in registers (exact) and
+the per-channel scales multiply the float32 sums.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .common import FP8_DTYPE, INTERPRETING, dot_precision, next_power_of_2, pdl_options, wait_for_predecessor
+
+# The per-pair GEMV reads an expert once per pair that chose it, the grouped GEMM once per expert. While the
+# pairs are at most half the experts most of them pick distinct experts, so the two read about the same and
+# the GEMV saves the sort and the padded tiles; up to this many pairs at most (Qwen3-30B-A3B: batch 8).
+DECODE_MAX_PAIRS = 64
+
+
+def use_decode_shape(pairs: int, num_experts: int, top_k: int) -> bool:
+    return pairs <= min(DECODE_MAX_PAIRS, max(top_k, num_experts // 2))
+WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, FP8_DTYPE)
+
+
+# ---------------------------------------------------------------- router
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_t, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_E)
+    wait_for_predecessor(USE_PDL)  # the router's logits
+    ok = cols < E
+    x = tl.load(logits_ptr + row * stride_t + cols, mask=ok, other=-float("inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    p = tl.where(ok, p, 0.0)
+    p = p / tl.sum(p, 0)
+    left = tl.where(ok, p, -1.0)  # probabilities not picked yet (padding below any probability)
+    kk = tl.arange(0, BLOCK_K)
+    top_w = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    top_id = tl.zeros((BLOCK_K,), dtype=tl.int32)
+    for i in tl.static_range(TOP_K):
+        best = tl.max(left, 0)
+        # The lowest id among equals; clamped so that a NaN row (no equal) still names an expert: its NaN
+        # weights then poison only its own token, never an out-of-range read.
+        pick = tl.minimum(tl.min(tl.where(left == best, cols, BLOCK_E), 0), E - 1)
+        top_w = tl.where(kk == i, best, top_w)
+        top_id = tl.where(kk == i, pick, top_id)
+        left = tl.where(cols == pick, -2.0, left)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(top_w, 0)
+    out = row * TOP_K + kk
+    tl.store(weights_ptr + out, top_w, mask=kk < TOP_K)
+    tl.store(ids_ptr + out, top_id, mask=kk < TOP_K)
+
+
+def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] (any float dtype) -> (weights [T, top_k] float32, expert ids [T, top_k] int32)."""
+    t, e = logits.shape
+    if not 1 <= top_k <= e:
+        raise ValueError(f"top_k must be in 1..{e} (the experts), got {top_k}")
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int32, device=logits.device)
+    if t:
+        _route_kernel[(t,)](logits, weights, ids, e, logits.stride(0), TOP_K=top_k, RENORMALIZE=renormalize,
+                            BLOCK_E=next_power_of_2(e), BLOCK_K=next_power_of_2(top_k), **pdl_options())  # fmt: skip
+    return weights, ids
+
+
+def route_topk_reference(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same in torch: a stable descending sort keeps the lowest id first among equal probabilities."""
+    p = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.sort(p, dim=-1, descending=True, stable=True)
+    weights, ids = weights[:, :top_k], ids[:, :top_k]
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+# ---------------------------------------------------------------- grouping pairs by expert
+
+
+def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [T, k] -> (sorted pair ids [blocks * block_m], expert of each block [blocks]). Pair p is token
+    p // k's choice p % k. Each expert's pairs are contiguous and its group padded to block_m rows with the
+    pair count T*k (a row the kernels skip); blocks past the last group have expert -1. The sizes depend on
+    T, k and E only: at most one non-empty block per pair, and at most one padded block per expert."""
+    flat = ids.reshape(-1).long()
+    pairs = flat.numel()
+    blocks = min(pairs, triton.cdiv(pairs, block_m) + num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    order = torch.argsort(flat, stable=True)
+    expert_of = flat[order]
+    rank = torch.arange(pairs, device=ids.device) - (counts.cumsum(0) - counts)[expert_of]
+    sorted_ids = torch.full((blocks * block_m,), pairs, dtype=torch.int32, device=ids.device)
+    sorted_ids[(padded_end - padded)[expert_of] + rank] = order.to(torch.int32)
+    starts = torch.arange(blocks, device=ids.device) * block_m
+    block_expert = torch.searchsorted(padded_end, starts, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return sorted_ids, block_expert
+
+
+# ---------------------------------------------------------------- expert GEMMs
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    block_m: int = 64  # grouped: rows (pairs) of one expert a program
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class MoeDecodeConfig:
+    # Defaults near the FMA shape kernels/gemv.py measured fastest for one row (8 x 1024 over 4096-wide
+    # rows); the experts' rows are 768 to 2048 wide. Not tuned on these shapes yet (bench_moe.py --tune).
+    block_n: int = 8
+    block_k: int = 512
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr, w_ptr, scale_ptr, c_ptr, route_ptr, sorted_ids_ptr, block_expert_ptr,
+    N, K, PAIRS, stride_am, stride_we, stride_wn, stride_se, stride_cm,
+    A_DIV: tl.constexpr, GATED: tl.constexpr, MUL_ROUTE: tl.constexpr, HAS_SCALE: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """c[pair, n] for BLOCK_M pairs of one expert: a's row pair // A_DIV times the expert's rows n (and,
+    GATED, n + N: SiLU(gate) * up), times the pair's routing weight with MUL_ROUTE."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    wait_for_predecessor(USE_PDL)  # the grouping and the activations come from the kernels before
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert >= 0:
+        pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        m_ok = pairs < PAIRS
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = rn < N
+        rk = tl.arange(0, BLOCK_K)
+        a_rows = a_ptr + (pairs // A_DIV).to(tl.int64)[:, None] * stride_am
+        w_rows = w_ptr + expert.to(tl.int64) * stride_we + rn[:, None].to(tl.int64) * stride_wn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            k_ok = kk < K
+            a = tl.load(a_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w_mask = n_ok[:, None] & k_ok[None, :]
+            w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0).to(a.dtype)
+            acc += tl.dot(a, tl.trans(w), input_precision=PRECISION)
+            if GATED:
+                up = tl.load(w_rows + N * stride_wn + kk[None, :], mask=w_mask, other=0.0).to(a.dtype)
+                acc_up += tl.dot(a, tl.trans(up), input_precision=PRECISION)
+        out = _epilogue(acc, acc_up, scale_ptr + expert.to(tl.int64) * stride_se, rn, n_ok, N, GATED, HAS_SCALE)
+        if MUL_ROUTE:
+            out = out * tl.load(route_ptr + pairs, mask=m_ok, other=0.0)[:, None]
+        c = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + rn[None, :]
+        tl.store(c, out.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _epilogue(acc, acc_up, scales, rn, n_ok, N, GATED: tl.constexpr, HAS_SCALE: tl.constexpr):
+    """The per-channel scales of FP8 codes, then SiLU(gate) * up for the gated projection."""
+    if HAS_SCALE:
+        acc = acc * tl.load(scales + rn, mask=n_ok, other=0.0)[None, :]
+        if GATED:
+            acc_up = acc_up * tl.load(scales + N + rn, mask=n_ok, other=0.0)[None, :]
+    if GATED:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    return acc
+
+
+@triton.jit
+def _moe_gemv_kernel(
+    a_ptr, w_ptr, scale_ptr, c_ptr, route_ptr, ids_ptr,
+    N, K, stride_am, stride_we, stride_wn, stride_se, stride_cm,
+    A_DIV: tl.constexpr, GATED: tl.constexpr, MUL_ROUTE: tl.constexpr, HAS_SCALE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """The decode shape: c[pair, n] for one pair and BLOCK_N outputs, products in float32 registers summed
+    over K once at the end."""
+    pair = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    wait_for_predecessor(USE_PDL)  # the expert ids and the activations come from the kernels before
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    rk = tl.arange(0, BLOCK_K)
+    a_row = a_ptr + (pair // A_DIV).to(tl.int64) * stride_am
+    w_rows = w_ptr + expert * stride_we + rn[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        k_ok = kk < K
+        a = tl.load(a_row + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        w_mask = n_ok[:, None] & k_ok[None, :]
+        acc += tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0).to(tl.float32) * a
+        if GATED:
+            acc_up += tl.load(w_rows + N * stride_wn + kk[None, :], mask=w_mask, other=0.0).to(tl.float32) * a
+    # [1, BLOCK_N] rows so that the epilogue's broadcasts are the grouped kernel's
+    out = _epilogue(tl.sum(acc, 1)[None, :], tl.sum(acc_up, 1)[None, :], scale_ptr + expert * stride_se, rn,
+                    n_ok, N, GATED, HAS_SCALE)  # fmt: skip
+    if MUL_ROUTE:
+        out = out * tl.load(route_ptr + pair)
+    tl.store(c_ptr + pair.to(tl.int64) * stride_cm + rn[None, :], out.to(c_ptr.dtype.element_ty),
+             mask=n_ok[None, :])  # fmt: skip
+
+
+def pick_config(pairs: int) -> MoeConfig:
+    """Row tiles sized to the pairs an expert gets on average at most: small prefills waste less padding."""
+    if INTERPRETING:
+        return MoeConfig(block_m=16, block_n=16, block_k=32)
+    return MoeConfig(block_m=16 if pairs <= 256 else 64)
+
+
+def pick_decode_config(n: int, k: int) -> MoeDecodeConfig:
+    if INTERPRETING:
+        return MoeDecodeConfig(block_n=8, block_k=32)
+    return MoeDecodeConfig()
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    decode: bool | None = None,
+    config: MoeConfig | MoeDecodeConfig | None = None,
+) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], routing weights [T, k] and expert ids [T, k] (route_topk)
+    -> sum over k of weight * down(SiLU(gate(x)) * up(x)) of each chosen expert, [T, H] in x's dtype.
+    FP8 codes need their scales ([E, 2I], [E, H]). decode: the per-pair GEMV (default: use_decode_shape)."""
+    _check(x, w13, w2, w13_scale, w2_scale, ids)
+    t, top_k = ids.shape
+    e, two_i, h = w13.shape
+    inter, pairs = two_i // 2, t * top_k
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out_rows = torch.empty(pairs, h, dtype=x.dtype, device=x.device)
+    if pairs == 0:
+        return out_rows.view(t, top_k, h).sum(1)
+    mid = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    route = weights.reshape(-1).float().contiguous()
+    flat_ids = ids.reshape(-1).to(torch.int32).contiguous()
+    s13 = w13_scale.float().contiguous() if w13_scale is not None else mid  # unread without HAS_SCALE
+    s2 = w2_scale.float().contiguous() if w2_scale is not None else mid
+    scaled = w13_scale is not None
+    if decode if decode is not None else use_decode_shape(pairs, e, top_k):
+        cfg = config if isinstance(config, MoeDecodeConfig) else pick_decode_config(inter, h)
+        for a, w, s, c, n, k, a_div, gated in ((x, w13, s13, mid, inter, h, top_k, True),
+                                               (mid, w2, s2, out_rows, h, inter, 1, False)):  # fmt: skip
+            _moe_gemv_kernel[(pairs, triton.cdiv(n, cfg.block_n))](
+                a, w, s, c, route, flat_ids, n, k, a.stride(0), w.stride(0), w.stride(1),
+                s.stride(0) if scaled else 0, c.stride(0),
+                A_DIV=a_div, GATED=gated, MUL_ROUTE=not gated, HAS_SCALE=scaled,
+                BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                **pdl_options(),
+            )  # fmt: skip
+    else:
+        cfg = config if isinstance(config, MoeConfig) else pick_config(pairs)
+        sorted_ids, block_expert = moe_align(flat_ids, e, cfg.block_m)
+        for a, w, s, c, n, k, a_div, gated in ((x, w13, s13, mid, inter, h, top_k, True),
+                                               (mid, w2, s2, out_rows, h, inter, 1, False)):  # fmt: skip
+            _moe_gemm_kernel[(block_expert.numel(), triton.cdiv(n, cfg.block_n))](
+                a, w, s, c, route, sorted_ids, block_expert, n, k, pairs, a.stride(0), w.stride(0), w.stride(1),
+                s.stride(0) if scaled else 0, c.stride(0),
+                A_DIV=a_div, GATED=gated, MUL_ROUTE=not gated, HAS_SCALE=scaled,
+                PRECISION=dot_precision(x.dtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(),
+            )  # fmt: skip
+    return out_rows.view(t, top_k, h).sum(1)
+
+
+def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, s13: torch.Tensor | None,
+           s2: torch.Tensor | None, ids: torch.Tensor) -> None:  # fmt: skip
+    if w13.dim() != 3 or w2.dim() != 3 or w13.shape[1] % 2 or x.dim() != 2:
+        raise ValueError(f"fused_moe needs x [T, H], w13 [E, 2I, H] and w2 [E, H, I], got {tuple(x.shape)}, "
+                         f"{tuple(w13.shape)} and {tuple(w2.shape)}")  # fmt: skip
+    e, two_i, h = w13.shape
+    if tuple(w2.shape) != (e, h, two_i // 2) or x.shape[1] != h or ids.shape[0] != x.shape[0]:
+        raise ValueError(f"fused_moe shapes disagree: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, "
+                         f"w2 {tuple(w2.shape)}, ids {tuple(ids.shape)}")  # fmt: skip
+    for w, s, rows in ((w13, s13, two_i), (w2, s2, h)):
+        if w.dtype not in WEIGHT_DTYPES or w.stride(-1) != 1:
+            raise ValueError(f"expert weights must be {WEIGHT_DTYPES}, contiguous in K; got {w.dtype}")
+        if (w.dtype == FP8_DTYPE) != (s is not None) or (s is not None and tuple(s.shape) != (e, rows)):
+            raise ValueError(f"FP8 expert codes need [{e}, {rows}] scales and 16-bit weights none")
+
+
+def fused_moe_reference(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The same in torch, expert by expert over the tokens that chose it (the CPU path of the expert
+    layer): each expert's output in x's dtype, weighted, and summed over k in float32."""
+    t, top_k = ids.shape
+    out = torch.zeros(t, top_k, x.shape[1], dtype=torch.float32, device=x.device)
+    flat = ids.reshape(-1).long()
+    for expert in flat.unique().tolist():
+        pairs = (flat == expert).nonzero().squeeze(1)
+        rows = x[pairs // top_k]
+        g13 = _dequantized(w13[expert], w13_scale, expert, x.dtype)
+        g2 = _dequantized(w2[expert], w2_scale, expert, x.dtype)
+        gate, up = F.linear(rows, g13).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, g2)
+        out.view(-1, x.shape[1])[pairs] = y.float() * weights.reshape(-1)[pairs, None].float()
+    return out.sum(1).to(x.dtype)
+
+
+def _dequantized(w: torch.Tensor, scale: torch.Tensor | None, expert: int, dtype: torch.dtype) -> torch.Tensor:
+    return w.to(dtype) if scale is None else (w.float() * scale[expert].float()[:, None]).to(dtype)

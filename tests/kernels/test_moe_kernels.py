@@ -1,0 +1,118 @@
+"""The MoE kernels (kernels/moe.py) under the interpreter against their torch references: the router
+(softmax and top-k, renormalised or not, ties to the lowest expert id), the grouping of pairs by expert,
+and the fused experts in both shapes (grouped GEMM and per-pair GEMV), 16-bit and FP8 weights, with
+every expert chosen and ragged tiles (shapes that are not multiples of the blocks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tokenspeed_kernels.common import FP8_DTYPE
+from tokenspeed_kernels.moe import (
+    MoeConfig,
+    MoeDecodeConfig,
+    fused_moe,
+    fused_moe_reference,
+    moe_align,
+    route_topk,
+    route_topk_reference,
+    use_decode_shape,
+)
+
+from app.worker.quantization.fp8 import quantize_rows
+from tests.support.numerics import relative_error
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_router_matches_reference_with_ties(renormalize: bool) -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 10, generator=g)
+    logits[1] = 0.0  # every expert equal: ids 0..k-1
+    logits[2, 3] = logits[2, 7] = 5.0  # a tie at the top: 3 before 7
+    weights, ids = route_topk(logits, 3, renormalize)
+    ref_w, ref_ids = route_topk_reference(logits, 3, renormalize)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_w, rtol=1e-6, atol=1e-7)
+    assert ids[1].tolist() == [0, 1, 2] and ids[2, :2].tolist() == [3, 7]
+    if renormalize:
+        torch.testing.assert_close(weights.sum(1), torch.ones(6))
+    # the reference agrees with transformers' softmax + topk where nothing ties
+    top = torch.topk(torch.softmax(logits[0], -1), 3)
+    assert ids[0].tolist() == top.indices.tolist()
+
+
+def test_router_names_real_experts_for_a_nan_row() -> None:
+    logits = torch.randn(3, 6, generator=torch.Generator().manual_seed(1))
+    logits[1, 2] = float("nan")
+    weights, ids = route_topk(logits, 2, renormalize=True)
+    assert ((ids >= 0) & (ids < 6)).all()
+    assert torch.isfinite(weights[[0, 2]]).all()  # the other tokens untouched
+
+
+def test_align_groups_pairs_by_expert() -> None:
+    ids = torch.tensor([[2, 0], [2, 3], [0, 2], [3, 2]], dtype=torch.int32)  # expert 1 unused
+    sorted_ids, block_expert = moe_align(ids, 4, block_m=2)
+    pairs = ids.numel()
+    flat = ids.reshape(-1)
+    seen = []
+    for b, expert in enumerate(block_expert.tolist()):
+        rows = [p for p in sorted_ids[b * 2 : b * 2 + 2].tolist() if p < pairs]
+        if expert < 0:
+            assert not rows
+        assert all(flat[p] == expert for p in rows)
+        seen += rows
+    assert sorted(seen) == list(range(pairs))  # every pair exactly once
+
+
+def _experts(e: int, h: int, inter: int, fp8: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(e, 2 * inter, h, generator=g) * 0.2
+    w2 = torch.randn(e, h, inter, generator=g) * 0.2
+    if not fp8:
+        return w13, w2, None, None
+    (c13, s13), (c2, s2) = (quantize_rows(w.reshape(-1, w.shape[-1])) for w in (w13, w2))
+    return c13.view(w13.shape), c2.view(w2.shape), s13.view(e, -1), s2.view(e, -1)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32 weights", "fp8 weights"])
+@pytest.mark.parametrize("decode", [True, False], ids=["per-pair gemv", "grouped gemm"])
+def test_fused_moe_matches_reference(decode: bool, fp8: bool) -> None:
+    e, h, inter, t, k = 5, 40, 24, 7, 2
+    w13, w2, s13, s2 = _experts(e, h, inter, fp8)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(1))
+    logits = torch.randn(t, e, generator=torch.Generator().manual_seed(2))
+    weights, ids = route_topk(logits, k, renormalize=True)
+    ids[:e, 0] = torch.arange(e, dtype=torch.int32)  # every expert chosen at least once
+    ids[:e, 1] = (ids[:e, 0] + 1) % e
+    config = MoeDecodeConfig(block_n=16, block_k=32) if decode else MoeConfig(block_m=16, block_n=16, block_k=16)
+    out = fused_moe(x, w13, w2, weights, ids, s13, s2, decode=decode, config=config)
+    ref = fused_moe_reference(x, w13, w2, weights, ids, s13, s2)
+    assert out.shape == (t, h)
+    assert relative_error(out, ref) < 1e-5
+
+
+def test_fused_moe_handles_no_tokens() -> None:
+    w13, w2, _, _ = _experts(3, 16, 8, fp8=False)
+    out = fused_moe(torch.zeros(0, 16), w13, w2, torch.zeros(0, 2), torch.zeros(0, 2, dtype=torch.int32))
+    assert out.shape == (0, 16)
+
+
+def test_fused_moe_refuses_codes_without_scales() -> None:
+    w13, w2, _, _ = _experts(3, 16, 8, fp8=False)
+    with pytest.raises(ValueError, match="scales"):
+        fused_moe(torch.zeros(1, 16), w13.to(FP8_DTYPE), w2, torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.int32))
+
+
+def test_decode_shape_while_pairs_pick_distinct_experts() -> None:
+    assert use_decode_shape(8, 128, 8) and use_decode_shape(64, 128, 8)  # Qwen3-30B-A3B, batch 1 and 8
+    assert not use_decode_shape(72, 128, 8)
+    assert use_decode_shape(2, 8, 2) and use_decode_shape(4, 8, 2)  # Mixtral, batch 1 and 2
+    assert not use_decode_shape(8, 8, 2)  # batch 4: the grouped GEMM reads each expert once
+
+
+def test_default_shape_matches_reference() -> None:
+    w13, w2, _, _ = _experts(4, 24, 16, fp8=False)
+    x = torch.randn(6, 24, generator=torch.Generator().manual_seed(3))
+    weights, ids = route_topk(torch.randn(6, 4, generator=torch.Generator().manual_seed(4)), 2, renormalize=False)
+    out = fused_moe(x, w13, w2, weights, ids)  # 12 pairs of 4 experts: grouped
+    assert relative_error(out, fused_moe_reference(x, w13, w2, weights, ids)) < 1e-5

@@ -1,0 +1,23 @@
+"""scripts/gpu/bench_moe.py's roofline: the bytes one decode token of Qwen3-30B-A3B reads (8 of its 128
+experts a layer, one embedding row), from the model built on the meta device as the runner builds it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from scripts.gpu.bench_moe import active_bytes_per_token
+
+MODEL = str(Path(__file__).resolve().parents[2] / "configs" / "models" / "qwen3-30b-a3b")
+
+
+def test_active_bytes_of_qwen3_30b_a3b() -> None:
+    bf16 = active_bytes_per_token(MODEL, torch.bfloat16, None)
+    assert bf16["weight_bytes"] == pytest.approx(2 * 30.53e9, rel=0.01)  # 30.5B parameters
+    # ~3.04B parameters a token: attention, routers, 8 experts a layer, norms and the LM head
+    assert bf16["active_bytes_per_token"] == pytest.approx(6.08e9, rel=0.01)
+    fp8 = active_bytes_per_token(MODEL, torch.bfloat16, "fp8")
+    # one byte a decoder weight (plus scales); the LM head and the routers stay bf16
+    assert 0.5 < fp8["active_bytes_per_token"] / bf16["active_bytes_per_token"] < 0.6

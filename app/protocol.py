@@ -170,6 +170,10 @@ class StepResult:
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # empty when none asked
     error: str | None = None  # the step failed: every sequence in it is failed with this
     bad_slots: list[int] = field(default_factory=list)  # slots whose logits were NaN/inf
+    # Sequences the worker refused (bad sampling parameters, token ids outside the vocabulary): each
+    # fails alone with failed_errors[i]; the worker holds nothing for them (the scheduler frees the KV).
+    failed_slots: list[int] = field(default_factory=list)
+    failed_errors: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -254,19 +258,43 @@ class ControlReply:
 
 
 @dataclass(slots=True)
+class EngineInfo:
+    """What the engine can serve, as the tokenizer and http check requests against it (admission) and
+    report it. The worker (TP rank 0 of replica 0) fills the model's and sampler's fields, the
+    tokenizer max_token_chars, the supervisor the rest."""
+
+    max_model_len: int = 0
+    vocab_size: int = 0
+    eos_token_ids: list[int] = field(default_factory=list)
+    num_blocks: int = 0
+    block_size: int = 0
+    sampling_backend: str | None = None  # --sampling-backend (None: the portable torch sampler)
+    max_top_logprobs: int = 0  # the most alternatives per position the sampler reports
+    max_token_chars: int | None = None  # the longest token's text (None: --skip-tokenizer-init)
+    served_model_name: str = ""
+    enable_metrics: bool = False
+    startup_seconds: float = 0.0
+
+
+@dataclass(slots=True)
 class ProcessReady:
-    """A child tells the supervisor it is up; info carries what others need to know."""
+    """A child tells the supervisor it is up; info carries start-up figures for logs and metrics,
+    engine what admission needs (the worker leader's and the tokenizer's parts of EngineInfo)."""
 
     name: str
     pid: int
     info: dict[str, Any] = field(default_factory=dict)
+    engine: EngineInfo | None = None
 
 
 @dataclass(slots=True)
 class EngineReady:
-    """Supervisor -> http: every process is up and warmed up; info is the engine summary."""
+    """Supervisor -> tokenizer -> http: every process is up and warmed up; info is the engine's
+    start-up figures (for /get_server_info and metrics), engine what requests are checked against
+    (None on a worker node's health-only http)."""
 
     info: dict[str, Any] = field(default_factory=dict)
+    engine: EngineInfo | None = None
 
 
 @dataclass(slots=True)
@@ -311,6 +339,7 @@ MESSAGE_TYPES: list[type] = [
     EngineReady,
     Shutdown,
     StartupPhase,
+    EngineInfo,  # appended: the tags above are the wire contract
 ]
 _TAG_OF: dict[type, int] = {cls: i for i, cls in enumerate(MESSAGE_TYPES)}
 _FIELDS: dict[type, tuple[str, ...]] = {

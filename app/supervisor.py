@@ -15,6 +15,7 @@ http (app/http/node_health.py). Each replica's TP group meets at its own rendezv
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -57,6 +58,7 @@ class Supervisor:
         self.children: list[Child] = []
         self.stop_requested = False
         self.ready_info: dict[str, dict] = {}
+        self.ready_engine: dict[str, p.EngineInfo] = {}  # the worker leader's and the tokenizer's parts
         # A signal writes here so the watch loop wakes at once instead of at its next poll.
         self._wake_r, self._wake_w = os.pipe()
         self.failure: str | None = None  # why the appliance is coming down, once a child failed
@@ -125,6 +127,8 @@ class Supervisor:
                 msg = ipc.recv(self.inbox)
                 if isinstance(msg, p.ProcessReady):
                     self.ready_info[msg.name] = msg.info
+                    if msg.engine is not None:
+                        self.ready_engine[msg.name] = msg.engine
                     log.info("%s is ready", msg.name)
                 elif isinstance(msg, p.StartupPhase):
                     self._forward_phase(msg)
@@ -143,16 +147,20 @@ class Supervisor:
             log.info("node %d ready (workers %s) in %.1f s", self.topology.node_rank,
                      ", ".join(w.name for w in self.topology.local_workers()), time.time() - started)
             return
-        worker = self.ready_info.get(self.topology.worker_name(0, 0), {})
-        # The model's figures win (its vocab is often padded past the tokenizer's).
-        info = {**self.ready_info.get("tokenizer", {}), **worker, "startup_seconds": time.time() - started}
+        leader = self.topology.worker_name(0, 0)
+        worker = self.ready_info.get(leader, {})
+        info = {**worker, "startup_seconds": time.time() - started}
         info["startup_phases"] = {**self.phase_seconds, **worker.get("startup_phases", {})}
-        # The tokenizer records per-request metrics under this name when metrics are on.
-        info["served_model_name"] = self.settings.served_model_name
-        info["enable_metrics"] = bool(self.settings.enable_metrics)
+        engine = dataclasses.replace(
+            self.ready_engine[leader],
+            max_token_chars=self.ready_engine["tokenizer"].max_token_chars,
+            served_model_name=self.settings.served_model_name,
+            enable_metrics=bool(self.settings.enable_metrics),
+            startup_seconds=info["startup_seconds"],
+        )
         # The tokenizer forwards it to http once it has taken it in (see app/tokenizer/core.py).
         push = ipc.connect_push(self.ctx, self.endpoints.inbox("tokenizer"))
-        ipc.send(push, p.EngineReady(info))
+        ipc.send(push, p.EngineReady(info, engine))
         push.close(linger=1000)
         s = self.settings
         log.info("ready on http://%s:%d in %.1f s (serving %s); start-up phases: %s", s.host, s.port,

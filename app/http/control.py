@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 from pydantic import Field
@@ -88,12 +89,12 @@ async def get_loads(request: Request) -> Response:
 
 async def get_model_info(request: Request) -> Response:
     state = server_state(request)
-    cfg, info = state.config, state.client.info
+    cfg, engine = state.config, state.client.engine
     return JSON({
         "model_path": state.model_path, "tokenizer_path": cfg.tokenizer_path,
         "served_model_name": cfg.served_model_name, "is_generation": True,
-        "max_context_length": info.get("max_model_len"), "vocab_size": info.get("vocab_size"),
-        "eos_token_ids": info.get("eos_token_ids"), "weight_version": state.weight_version,
+        "max_context_length": engine.max_model_len or None, "vocab_size": engine.vocab_size or None,
+        "eos_token_ids": engine.eos_token_ids if state.client.ready else None, "weight_version": state.weight_version,
     })
 
 
@@ -102,7 +103,7 @@ async def get_server_info(request: Request) -> Response:
     return JSON({
         **state.config.settings_view,
         "weight_version": state.weight_version,
-        "engine_info": state.client.info,
+        "engine_info": {**state.client.info, **dataclasses.asdict(state.client.engine)} if state.client.ready else {},
         "ready": state.ready(),
         "draining": state.draining,
         "num_inflight_requests": state.inflight,

@@ -24,6 +24,7 @@ from app.protocol import (
     AbortRequest,
     ControlReply,
     ControlRequest,
+    EngineInfo,
     EngineReady,
     GenerateRequest,
     ProtocolError,
@@ -88,7 +89,8 @@ class Submission:
 class BaseEngineClient(abc.ABC):
     def __init__(self, on_shutdown: Callable[[str], None] | None = None) -> None:
         self.ready = False
-        self.info: dict[str, Any] = {}
+        self.info: dict[str, Any] = {}  # the engine's start-up figures (reports and metrics)
+        self.engine = EngineInfo()  # what requests are checked against; its zeros until ready
         self.startup = StartupProgress()  # where start-up is, for /readiness until ready
         self.on_shutdown = on_shutdown
         self._sinks: dict[str, tuple[Submission, DeltaSink]] = {}
@@ -186,6 +188,8 @@ class BaseEngineClient(abc.ABC):
                 future.set_result(msg)
         elif isinstance(msg, EngineReady):
             self.info = dict(msg.info)
+            if msg.engine is not None:
+                self.engine = msg.engine
             self.ready = True
             log.info("engine ready: %s", self.info)
         elif isinstance(msg, StartupPhase):

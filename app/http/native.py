@@ -273,13 +273,13 @@ async def generate(request: Request) -> Response:
     state: ServerState = server_state(request)
     state.check_admission()
     body = validate(GenerateBody, await read_object(request))
-    vocab_size = state.client.info.get("vocab_size")
+    vocab_size = state.client.engine.vocab_size or None
     prompts, batch = _prompts(body)
     for i, fields in enumerate(prompts):
         if "input_ids" in fields:
             check_token_ids(fields["input_ids"], vocab_size, f"input_ids[{i}]" if batch else "input_ids")
         else:
-            check_text_length(len(fields["text"]), state.client.info, f"text[{i}]" if batch else "text")
+            check_text_length(len(fields["text"]), state.client.engine, f"text[{i}]" if batch else "text")
     rids = _rids(body, len(prompts), batch)
     samplings = _sampling(body, len(prompts), batch, vocab_size)
     if body.top_logprobs_num and not body.return_logprob:

@@ -61,7 +61,7 @@ async def list_models(request: Request) -> Response:
     cfg = state.config
     card = {
         "id": cfg.served_model_name, "object": "model", "created": state.started, "owned_by": "tokenspeed",
-        "root": cfg.model_path, "parent": None, "max_model_len": state.client.info.get("max_model_len"),
+        "root": cfg.model_path, "parent": None, "max_model_len": state.client.engine.max_model_len or None,
     }
     return JSON({"object": "list", "data": [card]})
 
@@ -69,12 +69,12 @@ async def list_models(request: Request) -> Response:
 async def completions(request: Request) -> Response:
     state = server_state(request)
     state.check_admission()
-    body, sampling = parse_completion(await read_object(request), state.client.info.get("vocab_size"))
+    body, sampling = parse_completion(await read_object(request), state.client.engine.vocab_size or None)
     check_model(body.model, state.config.model_names())
     rid = f"cmpl-{uuid.uuid4().hex}"
     prompts = body.prompts
     check_text_prompts(((f"prompt[{i}]" if len(prompts) > 1 else "prompt", p) for i, p in enumerate(prompts)
-                        if isinstance(p, str)), state.client.info)
+                        if isinstance(p, str)), state.client.engine)
     meta = _meta(state, rid, body.n or 1)
     stream = bool(body.stream)
     requests = fan_out(rid, meta.n, sampling, [_prompt_fields(p) for p in prompts], stream=stream,
@@ -91,9 +91,9 @@ async def completions(request: Request) -> Response:
 async def chat_completions(request: Request) -> Response:
     state = server_state(request)
     state.check_admission()
-    body, sampling = parse_chat(await read_object(request), state.client.info.get("vocab_size"))
+    body, sampling = parse_chat(await read_object(request), state.client.engine.vocab_size or None)
     check_model(body.model, state.config.model_names())
-    check_text_length(sum(len(m.content) for m in body.messages), state.client.info, "messages")
+    check_text_length(sum(len(m.content) for m in body.messages), state.client.engine, "messages")
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     meta = _meta(state, rid, body.n or 1)
     messages = [m.to_engine() for m in body.messages]

@@ -343,6 +343,11 @@ class Scheduler:
                 if req.status is Status.RUNNING:
                     deltas.append(self._fail(req, f"engine step failed: {result.error}", 500))
             return deltas
+        refused = dict(zip(result.failed_slots, result.failed_errors, strict=True))
+        if refused:  # the worker refused these sequences alone: each fails; the step's others go on
+            gone = [req for req, _, _ in live if req.slot in refused and req.status is Status.RUNNING]
+            deltas += [self._fail(req, refused[req.slot], 400) for req in gone]
+            live = [entry for entry in live if entry[0] not in gone]
         for req, n, sample in live:
             req.num_computed += n
             req.num_inflight_tokens -= n

@@ -23,9 +23,11 @@ from app.protocol import (
     AbortRequest,
     ControlReply,
     ControlRequest,
+    EngineInfo,
     EngineReady,
     FinishRequest,
     GenerateRequest,
+    SamplingParams,
     TextDelta,
     TextDeltas,
     TokenDelta,
@@ -36,6 +38,7 @@ from app.tokenizer.control_fanout import ControlFanOut
 from app.tokenizer.output import RequestOutput
 from app.tokenizer.prompt import PromptError, build_prompt, validate_prompt
 from app.tokenizer.router import Router
+from app.worker.sampling.validation import check_for_backend
 
 if TYPE_CHECKING:
     from app.metrics.frontend import FrontendMetrics
@@ -72,7 +75,7 @@ class TokenizerCore:
         self._stream_interval = stream_interval
         self._metrics = metrics
         self._sent_at = 0.0
-        self._engine: dict[str, Any] | None = None
+        self._engine: EngineInfo | None = None
         self._requests: dict[str, RequestOutput] = {}
         self._router = router or Router()
         self._controls = ControlFanOut(self._router.num_replicas)
@@ -90,7 +93,7 @@ class TokenizerCore:
         return len(self._requests)
 
     @property
-    def engine_info(self) -> dict[str, Any] | None:
+    def engine_info(self) -> EngineInfo | None:
         return self._engine
 
     @property
@@ -107,18 +110,17 @@ class TokenizerCore:
     # ------------------------------------------------------------ lifecycle
 
     def _on_engine_ready(self, msg: EngineReady) -> list[Outgoing]:
-        info = dict(msg.info)
-        missing = [k for k in ("max_model_len", "vocab_size") if not isinstance(info.get(k), int)]
-        if missing:
-            logger.error("tokenizer: EngineReady lacks %s; still not serving", ", ".join(missing))
+        info = msg.engine
+        if info is None or info.max_model_len < 1 or info.vocab_size < 1:
+            logger.error("tokenizer: EngineReady lacks the engine's figures (%s); still not serving", info)
             return []
         self._engine = info
-        if self._metrics is None and info.get("enable_metrics"):
+        if self._metrics is None and info.enable_metrics:
             from app.metrics.frontend import FrontendMetrics
 
-            self._metrics = FrontendMetrics(str(info.get("served_model_name", "")))
-        logger.info("tokenizer: engine ready (max_model_len=%d, vocab_size=%d)",
-                    info["max_model_len"], info["vocab_size"])
+            self._metrics = FrontendMetrics(info.served_model_name)
+        logger.info("tokenizer: engine ready (max_model_len=%d, vocab_size=%d, sampling backend %s)",
+                    info.max_model_len, info.vocab_size, info.sampling_backend or "torch")
         # http learns readiness from us, behind this message on the same socket: it can never
         # admit a request we would refuse as not ready.
         return [Outgoing(HTTP, msg)]
@@ -130,6 +132,9 @@ class TokenizerCore:
             return [_error(req.rid, "the engine is not ready yet", 503)]
         if req.rid in self._requests:
             return [_error(req.rid, f"request id {req.rid!r} is already in use", 400)]
+        refusal = admission_error(req.sampling, self._engine)
+        if refusal is not None:
+            return [_error(req.rid, refusal, 400)]
         try:
             prompt = self._prompt_of(req)
             state = self._output_of(req, prompt)
@@ -147,9 +152,9 @@ class TokenizerCore:
     def _prompt_of(self, req: GenerateRequest) -> list[int]:
         assert self._engine is not None
         prompt = build_prompt(
-            req, self._tokenizer, chat_template=self._chat_template, vocab_size=self._engine["vocab_size"]
+            req, self._tokenizer, chat_template=self._chat_template, vocab_size=self._engine.vocab_size
         )
-        validate_prompt(prompt, req.sampling.max_new_tokens, max_model_len=self._engine["max_model_len"])
+        validate_prompt(prompt, req.sampling.max_new_tokens, max_model_len=self._engine.max_model_len)
         return prompt
 
     def _output_of(self, req: GenerateRequest, prompt: list[int]) -> RequestOutput:
@@ -233,6 +238,16 @@ class TokenizerCore:
     def _finished(self, rid: str, reason: str | None) -> None:
         if self._metrics is not None:
             self._metrics.finished(rid, reason, self._sent_at)
+
+
+def admission_error(sampling: SamplingParams, engine: EngineInfo) -> str | None:
+    """Why the engine cannot serve these parameters (the message names the field), or None. Checked
+    here so that the worker never meets a sequence it must refuse: one request's bad parameters
+    must not reach a step shared with others."""
+    if sampling.top_logprobs > engine.max_top_logprobs:
+        return (f"top_logprobs {sampling.top_logprobs} exceeds the engine's maximum of "
+                f"{engine.max_top_logprobs} alternatives per position")
+    return check_for_backend(engine.sampling_backend, sampling, engine.vocab_size)
 
 
 def _error_delta(rid: str, message: str, code: int) -> TextDelta:

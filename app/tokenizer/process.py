@@ -18,10 +18,10 @@ import zmq
 
 from app import ipc, lifecycle
 from app.ipc import Endpoints
-from app.protocol import ProcessReady, ProtocolError, Shutdown
+from app.protocol import EngineInfo, ProcessReady, ProtocolError, Shutdown
 from app.tokenizer.chat import resolve_chat_template
 from app.tokenizer.core import SCHEDULER, Outgoing, TokenizerCore
-from app.tokenizer.loader import eos_token_ids, load_tokenizer_from_settings, tokenizer_source, vocab_size
+from app.tokenizer.loader import load_tokenizer_from_settings
 from app.tokenizer.router import Router
 
 logger = logging.getLogger(__name__)
@@ -49,9 +49,9 @@ def run_tokenizer(settings: Any, endpoints: Endpoints) -> None:
         )
         supervisor = ipc.connect_push(ctx, endpoints.inbox("supervisor"))
         sockets = [inbox, *outs.schedulers, outs.http, supervisor]
-        core, ready_info = _build_core(settings)
+        core, engine = _build_core(settings)
         lifecycle.settle_heap()
-        ipc.send(supervisor, ProcessReady(name="tokenizer", pid=os.getpid(), info=ready_info))
+        ipc.send(supervisor, ProcessReady(name="tokenizer", pid=os.getpid(), engine=engine))
         _serve(core, inbox, outs, lifecycle.Heartbeat.attach(endpoints.runtime_dir, "tokenizer"))
     finally:
         for sock in sockets:
@@ -60,18 +60,17 @@ def run_tokenizer(settings: Any, endpoints: Endpoints) -> None:
     logger.info("tokenizer: stopped")
 
 
-def _build_core(settings: Any) -> tuple[TokenizerCore, dict[str, Any]]:
+def _build_core(settings: Any) -> tuple[TokenizerCore, EngineInfo]:
+    """The core and the tokenizer's part of EngineInfo (max_token_chars; the model's figures are the
+    worker's: its vocabulary is often padded past the tokenizer's)."""
     chat_template = resolve_chat_template(settings.chat_template)
     if settings.skip_tokenizer_init:
         logger.info("tokenizer: --skip-tokenizer-init: serving token-id prompts only")
         tokenizer = None
-        info: dict[str, Any] = {}  # nothing known: the worker's figures stand
+        info = EngineInfo()
     else:
         tokenizer = load_tokenizer_from_settings(settings)
-        eos = eos_token_ids(tokenizer, tokenizer_source(settings), revision=settings.revision,
-                            download_dir=settings.download_dir)
-        info = {"vocab_size": vocab_size(tokenizer), "eos_token_ids": eos,
-                "max_token_chars": max_token_chars(tokenizer)}
+        info = EngineInfo(max_token_chars=max_token_chars(tokenizer))
     router = Router(settings.data_parallel_size, settings.load_balance_method)
     if router.num_replicas > 1:
         logger.info("tokenizer: routing over %d data-parallel replicas (%s)", router.num_replicas, router.method)

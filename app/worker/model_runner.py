@@ -15,7 +15,12 @@ while an earlier step still runs; what finish() needs from the host side is capt
 PendingStep.
 
 A plan is validated in full before anything changes, so a refused plan leaves no trace; releasing
-a slot that holds nothing is a no-op (after a failed step the scheduler frees its sequences).
+a slot that holds nothing is a no-op (after a failed step the scheduler frees its sequences). What
+concerns one sequence only (sampling parameters its sampler cannot honour, token ids outside the
+vocabulary) refuses that sequence alone: it is left out of the step (released, if it held a slot),
+reported in StepResult.failed_slots, and its chunks in later plans (planned before the scheduler
+heard) are skipped until the scheduler frees its slot. The step's other rows are computed exactly
+as without it: rows are independent, so their tokens do not change.
 """
 
 from __future__ import annotations
@@ -29,7 +34,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from app.protocol import NewSeq, SamplingParams, SeqChunk, StepPlan, StepResult, TokenLogprobs, WorkerReady
+from app.protocol import (
+    EngineInfo,
+    NewSeq,
+    SamplingParams,
+    SeqChunk,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+    WorkerReady,
+)
 from app.startup_phases import StartupClock
 from app.worker.attention import (
     backend_class,
@@ -74,6 +88,8 @@ logger = logging.getLogger(__name__)
 CUDA_RESERVE_BYTES = 1 << 30
 # Per-graph bookkeeping the graph-memory profile cannot see (graph objects, small per-size buffers).
 GRAPH_OVERHEAD_BYTES = 64 << 20
+# The most top logprobs a position reports: what the memory profile's heaviest sampling covers.
+MAX_TOP_LOGPROBS = 20
 
 
 class PlanError(ValueError):
@@ -146,6 +162,7 @@ class PendingStep:
     logprobs: DeviceLogprobs | None = None
     logprobs_host: torch.Tensor | None = None  # host copy of logprobs.packed
     copied: torch.cuda.Event | None = None  # recorded after the copies (CUDA); None: already on the host
+    failed: dict[int, str] = field(default_factory=dict)  # sequences refused at launch: slot -> why
 
     def ready(self) -> bool:
         """Whether finish() would return without waiting for the device."""
@@ -175,6 +192,7 @@ class ModelRunner:
             settings.download_dir,
             settings.trust_remote_code,
         )
+        self.model_dir = model_dir  # a root weight updates from disk may read below
         self.config = load_hf_config(model_dir, settings.hf_overrides, settings.trust_remote_code)
         self.dtype = resolve_dtype(settings.dtype, self.config, self.device)
         # FP8 weights and KV cache (getattr: the GPU tests' plain settings may leave these out).
@@ -238,6 +256,7 @@ class ModelRunner:
         self.slots = SlotState(
             self.max_num_seqs, math.ceil(self.max_model_len / self.block_size), self.device
         )
+        self._refused: set[int] = set()  # slots whose sequence was refused, until the scheduler frees them
         self.clock.enter("graph_capture")
         self.graphs = self._capture_graphs()
         self.pieces = self._capture_pieces()
@@ -570,11 +589,11 @@ class ModelRunner:
             frequency_penalty=0.1,
             presence_penalty=0.1,
             logprobs=True,
-            top_logprobs=min(20, self.vocab_size),
+            top_logprobs=min(MAX_TOP_LOGPROBS, self.vocab_size),
         )
         if self.sampler.validate(heavy) is None:
             return heavy
-        return SamplingParams(temperature=0.0, logprobs=True, top_logprobs=min(20, self.vocab_size))
+        return SamplingParams(temperature=0.0, logprobs=True, top_logprobs=min(MAX_TOP_LOGPROBS, self.vocab_size))
 
     def ready_message(self) -> WorkerReady:
         return WorkerReady(
@@ -602,6 +621,18 @@ class ModelRunner:
                 "kv_cache_dtype": self.kv_quant.describe(),
                 "startup_phases": {phase: round(s, 3) for phase, s in self.clock.seconds.items()},
             },
+        )
+
+    def engine_info(self) -> EngineInfo:
+        """What admission checks requests against (the tokenizer and http add their parts)."""
+        return EngineInfo(
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            eos_token_ids=list(self.eos_token_ids),
+            num_blocks=self.pool.num_blocks,
+            block_size=self.block_size,
+            sampling_backend=self.settings.sampling_backend,
+            max_top_logprobs=min(MAX_TOP_LOGPROBS, self.vocab_size),
         )
 
     def warmup(self) -> None:
@@ -638,19 +669,37 @@ class ModelRunner:
 
     def launch(self, plan: StepPlan) -> PendingStep:
         """Queue one step's device work (see the module docstring); plan.free_slots are released after it."""
-        self._validate(plan)
+        failed = self._validate(plan)
+        plan = self._without_refused(plan, failed)
         with torch.no_grad():
             for seq in plan.new_seqs:
                 self._register(seq)
             pending = self._run_chunks(plan) if plan.chunks else PendingStep(step=plan.step)
         for slot in plan.free_slots:
+            self._refused.discard(slot)
             self._release(slot)
+        pending.failed = failed
         return pending
+
+    def _without_refused(self, plan: StepPlan, failed: dict[int, str]) -> StepPlan:
+        """The plan less the sequences refused now (their slots released) or earlier and not yet freed."""
+        for slot in failed:
+            logger.warning("step %d: slot %d refused: %s", plan.step, slot, failed[slot])
+            self._release(slot)
+        self._refused.update(failed)
+        if not self._refused:
+            return plan
+        return replace(
+            plan,
+            new_seqs=[seq for seq in plan.new_seqs if seq.slot not in self._refused],
+            chunks=[chunk for chunk in plan.chunks if chunk.slot not in self._refused],
+        )
 
     def finish(self, pending: PendingStep) -> StepResult:
         """Wait for a launched step's results and build its StepResult."""
+        failed = {"failed_slots": list(pending.failed), "failed_errors": list(pending.failed.values())}
         if pending.readback is None:
-            return StepResult(step=pending.step)
+            return StepResult(step=pending.step, **failed)
         if pending.copied is not None:
             pending.copied.synchronize()
         n = len(pending.slots)
@@ -666,6 +715,7 @@ class ModelRunner:
             token_ids=host[:n].tolist(),
             logprobs=logprobs,
             bad_slots=[pending.slots[i] for i in bad_rows],
+            **failed,
         )
 
     def _register(self, seq: NewSeq) -> None:
@@ -783,21 +833,30 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ validation
 
-    def _validate(self, plan: StepPlan) -> None:
-        """Refuse a plan that does not fit, before any state changes."""
+    def _validate(self, plan: StepPlan) -> dict[int, str]:
+        """Refuse a plan that does not fit (PlanError: a scheduler fault, the step fails) before any state
+        changes; returns the sequences refused alone (slot -> why: the request's own fault)."""
         new = {seq.slot: seq for seq in plan.new_seqs}
         if len(new) != len(plan.new_seqs):
             raise PlanError(f"step {plan.step}: a slot is registered twice")
+        failed: dict[int, str] = {}
         for seq in plan.new_seqs:
-            self._check_new_seq(seq)
+            error = self._check_new_seq(seq)
+            if error:
+                failed[seq.slot] = error
         seen: set[int] = set()
         for chunk in plan.chunks:
             if chunk.slot in seen:
                 raise PlanError(f"step {plan.step}: slot {chunk.slot} has two chunks")
             seen.add(chunk.slot)
-            self._check_chunk(chunk, new.get(chunk.slot))
+            if chunk.slot in failed or chunk.slot in self._refused:
+                continue
+            error = self._check_chunk(chunk, new.get(chunk.slot))
+            if error:
+                failed[chunk.slot] = error
         for slot in plan.free_slots:
             self._check_slot(slot)
+        return failed
 
     def _check_slot(self, slot: int) -> None:
         if not isinstance(slot, int) or not 0 <= slot < self.max_num_seqs:
@@ -813,7 +872,8 @@ class ModelRunner:
                 f"({self.slots.max_blocks} blocks of {self.block_size})"
             )
 
-    def _check_new_seq(self, seq: NewSeq) -> None:
+    def _check_new_seq(self, seq: NewSeq) -> str | None:
+        """PlanError for a plan fault; the reason the sequence alone is refused, or None."""
         self._check_slot(seq.slot)
         if self.slots.active[seq.slot]:
             raise PlanError(f"slot {seq.slot} is already in use (rid {seq.rid}); free it first")
@@ -823,23 +883,28 @@ class ModelRunner:
                 f"slot {seq.slot}: num_cached_tokens {seq.num_cached_tokens} is not covered by "
                 f"{len(seq.block_ids)} blocks"
             )
-        error = self.sampler.validate(seq.sampling)
-        if error:
-            raise PlanError(f"request {seq.rid}: {error}")
+        return self.sampler.validate(seq.sampling) or self._check_ids(seq.prompt_ids) or self._check_ids(seq.output_ids)
 
-    def _check_chunk(self, chunk: SeqChunk, new: NewSeq | None) -> None:
+    def _check_ids(self, token_ids: list[int]) -> str | None:
+        """Why these ids cannot be tokens of this model (penalties index by them), or None."""
+        if not token_ids:
+            return None
+        ids = np.asarray(token_ids)  # a non-integer or huge id gives a non-integer dtype
+        if ids.dtype.kind not in "iu" or int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
+            return f"a prompt token id is outside the vocabulary [0, {self.vocab_size})"
+        return None
+
+    def _check_chunk(self, chunk: SeqChunk, new: NewSeq | None) -> str | None:
+        """PlanError for a plan fault; the reason the chunk's sequence alone is refused, or None."""
         self._check_slot(chunk.slot)
         s = self.slots
         if new is None and not s.active[chunk.slot]:
             raise PlanError(f"chunk for slot {chunk.slot}, which holds no sequence")
         blocks = (len(new.block_ids) if new else s.num_blocks[chunk.slot]) + len(chunk.append_block_ids)
         self._check_blocks(chunk.slot, chunk.append_block_ids, blocks)
+        error = None
         if chunk.token_ids:
-            ids = torch.tensor(chunk.token_ids, dtype=torch.int64)
-            if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
-                raise PlanError(
-                    f"slot {chunk.slot}: a token id is outside the vocabulary [0, {self.vocab_size})"
-                )
+            error = self._check_ids(chunk.token_ids)
         elif new is not None or not s.has_token[chunk.slot]:
             raise PlanError(f"decode chunk for slot {chunk.slot}, which has no sampled token to feed")
         elif not chunk.sample:
@@ -854,6 +919,7 @@ class ModelRunner:
             raise PlanError(
                 f"slot {chunk.slot}: context of {end} tokens exceeds max_model_len {self.max_model_len}"
             )
+        return error
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:

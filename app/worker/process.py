@@ -1,7 +1,9 @@
 """The worker process: owns the device, executes the scheduler's step plans.
 
-Failure policy: a step that raises fails the requests in it (StepResult.error, HTTP 500) and the
-worker goes on; MAX_CONSECUTIVE_STEP_FAILURES failed steps in a row mean the device state is broken,
+Failure policy: a sequence the runner cannot run (its sampling parameters, its token ids) is refused
+alone (StepResult.failed_slots, HTTP 400) and NaN/inf logits fail their row alone (bad_slots, 500): the
+step's other sequences carry on. A step that raises (a device error, OOM, a scheduler fault) fails the
+requests in it (StepResult.error, HTTP 500) and the worker goes on; MAX_CONSECUTIVE_STEP_FAILURES failed steps in a row mean the device state is broken,
 and the worker exits 1, which brings the appliance down (the container restarts it). Its loop beats a
 liveness heartbeat at least every second while idle and after every step; a wedged step stops it.
 
@@ -134,17 +136,9 @@ def _lead(runner, ready: p.WorkerReady, place: WorkerPlace, endpoints: Endpoints
     inbox = ipc.bind_pull(ctx, endpoints.inbox("worker", place.replica))
     results = ipc.connect_push(ctx, endpoints.inbox("scheduler_results", place.replica))
     ipc.send(results, ready)
-    engine_info = {
-        **ready.info,
-        "num_blocks": ready.num_blocks,
-        "block_size": ready.block_size,
-        "max_model_len": ready.max_model_len,
-        "vocab_size": ready.vocab_size,
-        "eos_token_ids": ready.eos_token_ids,
-    }
     supervisor = ipc.connect_push(ctx, endpoints.inbox("supervisor"))
     lifecycle.settle_heap()
-    ipc.send(supervisor, p.ProcessReady(place.name, os.getpid(), engine_info))
+    ipc.send(supervisor, p.ProcessReady(place.name, os.getpid(), dict(ready.info), runner.engine_info()))
     try:
         serve_steps(runner, inbox, results, heartbeat, FaultInjector.from_env(), relay=tp if tp.size > 1 else None)
     finally:

@@ -130,13 +130,13 @@ def test_chat_through_the_tokenizer_core_answers_paris():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from app.protocol import EngineReady, GenerateRequest, SamplingParams, TokenDelta, TokenDeltas
+    from app.protocol import EngineInfo, EngineReady, GenerateRequest, SamplingParams, TokenDelta, TokenDeltas
     from app.tokenizer.core import TokenizerCore
     from app.tokenizer.loader import load_tokenizer
 
     tok = load_tokenizer(MODEL_DIR)
     core = TokenizerCore(tok, stream_interval=1)
-    core.handle(EngineReady({"max_model_len": 8192, "vocab_size": 49152, "eos_token_ids": [2]}))
+    core.handle(EngineReady(engine=EngineInfo(max_model_len=8192, vocab_size=49152, eos_token_ids=[2])))
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     [out] = core.handle(GenerateRequest(rid="q", sampling=SamplingParams(max_new_tokens=24, temperature=0.0),
                                         messages=messages, stream=True))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from typing import Any
 
@@ -14,6 +15,7 @@ from app.http import control
 from app.http.server import build_app
 from app.protocol import FINISH_ABORT, ControlReply, StartupPhase, TextDelta
 from tests.unit.test_http_fakes import (
+    ENGINE,
     INFO,
     MODEL,
     MODEL_PATH,
@@ -158,7 +160,7 @@ async def test_info_routes() -> None:
                      "weight_version": "w1"}
     assert "sk-very-secret" not in server.text
     info = server.json()
-    assert info["api_key"] == "**********" and info["engine_info"] == INFO and info["port"] == 0
+    assert info["api_key"] == "**********" and info["engine_info"] == {**INFO, **dataclasses.asdict(ENGINE)} and info["port"] == 0
     assert version == {"weight_version": "w1"}
     assert update["success"] and update["new_version"] == "w2"
     assert after == {"model_path": MODEL_PATH, "weight_version": "w2"}

@@ -35,7 +35,7 @@ from app.protocol import (
     TextDelta,
     TextDeltas,
 )
-from tests.unit.test_http_fakes import INFO, MODEL, settings
+from tests.unit.test_http_fakes import ENGINE, INFO, MODEL, settings
 
 pytestmark = pytest.mark.anyio
 
@@ -67,9 +67,9 @@ async def test_engine_client_over_zmq(tmp_path: Path) -> None:
     try:
         assert not client.ready
         await to_http.send(b"\xc1 not msgpack")  # dropped with a log line; the reader carries on
-        await engine_says(EngineReady(INFO))
+        await engine_says(EngineReady(INFO, ENGINE))
         await _until(lambda: client.ready)
-        assert client.info == INFO
+        assert client.info == INFO and client.engine == ENGINE
 
         # a whole request: deltas routed by rid, the stream ends after the terminal one
         seen: list[TextDelta] = []
@@ -183,7 +183,7 @@ def _post_in_thread(url: str, results: list[httpx.Response]) -> threading.Thread
 def test_process_readiness_sigint_and_sigterm_drain(child: tuple[Peers, multiprocessing.Process, str]) -> None:
     peers, proc, url = child
     assert httpx.get(url + "/readiness").status_code == 503
-    ipc.send(peers.to_http, EngineReady(INFO))
+    ipc.send(peers.to_http, EngineReady(INFO, ENGINE))
     for _ in range(200):
         if httpx.get(url + "/readiness").status_code == 200:
             break
@@ -209,7 +209,7 @@ def test_process_readiness_sigint_and_sigterm_drain(child: tuple[Peers, multipro
 
 def test_process_drain_lets_requests_finish(child: tuple[Peers, multiprocessing.Process, str]) -> None:
     peers, proc, url = child
-    ipc.send(peers.to_http, EngineReady(INFO))
+    ipc.send(peers.to_http, EngineReady(INFO, ENGINE))
     for _ in range(200):
         if httpx.get(url + "/readiness").status_code == 200:
             break

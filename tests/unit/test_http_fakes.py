@@ -25,6 +25,7 @@ from app.protocol import (
     AbortRequest,
     ControlReply,
     ControlRequest,
+    EngineInfo,
     EngineReady,
     GenerateRequest,
     TextDelta,
@@ -36,7 +37,9 @@ from tests.support.threaded_server import ThreadedServer
 MODEL = "tiny-model"
 MODEL_PATH = "/models/tiny"
 VOCAB = 512
-INFO = {"max_model_len": 2048, "vocab_size": VOCAB, "eos_token_ids": [2], "num_blocks": 64, "block_size": 16}
+INFO = {"weights_gb": 0.001, "startup_seconds": 1.5}  # the start-up figures of EngineReady.info
+ENGINE = EngineInfo(max_model_len=2048, vocab_size=VOCAB, eos_token_ids=[2], num_blocks=64, block_size=16,
+                    max_top_logprobs=20)
 PIECES = ["Hello", " world", ",", " how", " are", " you", "?"]
 
 Script = Callable[[GenerateRequest], list[TextDelta] | None]
@@ -138,8 +141,8 @@ class FakeEngine(BaseEngineClient):
         if ready:
             self.become_ready()
 
-    def become_ready(self, info: dict[str, Any] | None = None) -> None:
-        self._dispatch(EngineReady(dict(info or INFO)))
+    def become_ready(self, engine: EngineInfo | None = None) -> None:
+        self._dispatch(EngineReady(dict(INFO), engine or ENGINE))
 
     def _send(self, msg: Any) -> None:
         msg = protocol.decode(protocol.encode(msg))  # what the tokenizer would receive over the wire

@@ -124,7 +124,7 @@ def test_frontend_metrics_latencies_and_counters() -> None:
 def test_the_tokenizer_records_requests_it_admits() -> None:
     reg = CollectorRegistry()
     core = TokenizerCore(None, metrics=FrontendMetrics("m", registry=reg))
-    core.handle(p.EngineReady({"max_model_len": 64, "vocab_size": 100, "eos_token_ids": [2]}))
+    core.handle(p.EngineReady(engine=p.EngineInfo(max_model_len=64, vocab_size=100, eos_token_ids=[2])))
     core.handle(p.GenerateRequest("r", p.SamplingParams(max_new_tokens=4), input_ids=[5, 6, 7], arrival_time=1.0))
     core.handle(p.TokenDeltas([p.TokenDelta("r", [8], prompt_tokens=3, completion_tokens=1)], 1.25))
     core.handle(p.TokenDeltas([p.TokenDelta("r", [9], finish_reason="stop", matched_stop=9, prompt_tokens=3,
@@ -137,11 +137,11 @@ def test_the_tokenizer_records_requests_it_admits() -> None:
 
 def test_metrics_start_with_the_engine_when_engine_ready_says_so() -> None:
     core = TokenizerCore(None)
-    core.handle(p.EngineReady({"max_model_len": 64, "vocab_size": 100, "enable_metrics": True,
-                               "served_model_name": "m"}))
+    core.handle(p.EngineReady(engine=p.EngineInfo(max_model_len=64, vocab_size=100, enable_metrics=True,
+                               served_model_name="m")))
     assert isinstance(core._metrics, FrontendMetrics)
     plain = TokenizerCore(None)
-    plain.handle(p.EngineReady({"max_model_len": 64, "vocab_size": 100}))
+    plain.handle(p.EngineReady(engine=p.EngineInfo(max_model_len=64, vocab_size=100)))
     assert plain._metrics is None
 
 

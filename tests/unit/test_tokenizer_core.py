@@ -6,6 +6,7 @@ from app.protocol import (
     AbortRequest,
     ControlReply,
     ControlRequest,
+    EngineInfo,
     EngineReady,
     FinishRequest,
     GenerateRequest,
@@ -26,8 +27,8 @@ MAX_MODEL_LEN = 64
 def make_core(tok, *, stream_interval: int = 1, ready: bool = True) -> TokenizerCore:
     core = TokenizerCore(tok, stream_interval=stream_interval)
     if ready:
-        info = {"max_model_len": MAX_MODEL_LEN, "vocab_size": 512, "eos_token_ids": [2]}
-        ready_msg = EngineReady(info)
+        ready_msg = EngineReady(engine=EngineInfo(max_model_len=MAX_MODEL_LEN, vocab_size=512, eos_token_ids=[2],
+                                                  max_top_logprobs=20))
         assert core.handle(ready_msg) == [Outgoing("http", ready_msg)]  # http learns readiness from us
     return core
 
@@ -274,7 +275,7 @@ def test_prompt_ids_on_the_first_delta_only(tok):
 
 def test_skip_tokenizer_init(tok):
     core = TokenizerCore(None)
-    core.handle(EngineReady({"max_model_len": MAX_MODEL_LEN, "vocab_size": 512, "eos_token_ids": [2]}))
+    core.handle(EngineReady(engine=EngineInfo(max_model_len=MAX_MODEL_LEN, vocab_size=512, eos_token_ids=[2])))
     [err] = errors_of(core.handle(GenerateRequest(rid="t", sampling=SamplingParams(), text="hi")))
     assert err.error_code == 400 and "--skip-tokenizer-init" in err.error
     req = GenerateRequest(rid="s", sampling=SamplingParams(stop=["x"]), input_ids=[1, 2])

@@ -22,6 +22,7 @@ from app.config.settings import Settings
 from app.ipc import Endpoints
 from app.protocol import (
     ControlRequest,
+    EngineInfo,
     EngineReady,
     FinishRequest,
     GenerateRequest,
@@ -91,7 +92,7 @@ def harness(tmp_path, request) -> Iterator[Harness]:
 def wait_ready(h: Harness) -> ProcessReady:
     ready = h.recv("supervisor")
     assert isinstance(ready, ProcessReady) and ready.name == "tokenizer" and ready.pid == h.proc.pid
-    h.send(EngineReady({"max_model_len": 128, "vocab_size": 512, "eos_token_ids": [2]}))
+    h.send(EngineReady(engine=EngineInfo(max_model_len=128, vocab_size=512, eos_token_ids=[2])))
     assert isinstance(h.recv("http"), EngineReady)  # forwarded: http learns readiness from the tokenizer
     return ready
 
@@ -99,7 +100,7 @@ def wait_ready(h: Harness) -> ProcessReady:
 def test_round_trip_stop_string_and_sigterm(harness):
     h = harness
     ready = wait_ready(h)
-    assert ready.info["vocab_size"] > 256 and ready.info["eos_token_ids"] == [2]
+    assert ready.engine is not None and ready.engine.max_token_chars >= 1
 
     sampling = SamplingParams(max_new_tokens=20, stop=["fox"])
     h.send(GenerateRequest(rid="r1", sampling=sampling, text="Once upon a time", stream=True))
@@ -132,7 +133,7 @@ def test_round_trip_stop_string_and_sigterm(harness):
 def test_skip_tokenizer_init_and_shutdown(harness):
     h = harness
     ready = wait_ready(h)
-    assert ready.info == {}
+    assert ready.engine == EngineInfo()
     h.send(GenerateRequest(rid="t", sampling=SamplingParams(), text="hi"))
     [err] = h.collect_text("t")
     assert err.error_code == 400 and "--skip-tokenizer-init" in err.error

@@ -8,6 +8,7 @@ from app.protocol import (
     AbortRequest,
     ControlReply,
     ControlRequest,
+    EngineInfo,
     EngineReady,
     FinishRequest,
     GenerateRequest,
@@ -98,7 +99,7 @@ MAX_MODEL_LEN = 64
 
 def two_replicas(tok, method: str = "shortest_queue") -> TokenizerCore:
     core = TokenizerCore(tok, router=Router(2, method))
-    core.handle(EngineReady({"max_model_len": MAX_MODEL_LEN, "vocab_size": 512, "eos_token_ids": [2]}))
+    core.handle(EngineReady(engine=EngineInfo(max_model_len=MAX_MODEL_LEN, vocab_size=512, eos_token_ids=[2])))
     return core
 
 

@@ -38,6 +38,30 @@ def init_child(name: str, log_level: str) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def one_line(exc: BaseException) -> str:
+    """An exception as one log line: its type and message, newlines folded."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def run_child(name: str, log_level: str, target: Callable[..., None], *args: object) -> None:
+    """A child's entry: run `target`; an exception it raises (start-up or later) becomes one log line,
+    its traceback only at --log-level debug, and exit code 1 at once, so the supervisor sees the
+    death within its next poll and names the cause."""
+    try:
+        target(*args)
+    except Exception as exc:
+        if not logging.getLogger().handlers:  # it failed before init_child configured logging
+            configure_logging(log_level, name)
+        log = logging.getLogger("tokenspeed.supervisor")
+        if log_level.lower() == "debug":
+            log.exception("%s failed", name)
+        else:
+            log.error("%s failed: %s (--log-level debug shows the traceback)", name, one_line(exc))
+        sys.stderr.flush()
+        os._exit(1)  # not sys.exit: a thread or a socket's linger must not hold the exit up
+
+
 def _die_with_parent() -> None:
     # If the supervisor is killed (even with SIGKILL) the kernel sends us SIGKILL: no orphans.
     if sys.platform.startswith("linux"):

@@ -96,7 +96,8 @@ class Supervisor:
         # Every heartbeat exists before any child starts: http looks for the engine's at its start-up.
         heartbeats = {name: lifecycle.Heartbeat.create(self.runtime_dir, name) for name, _, _ in targets}
         for name, target, extra in targets:
-            proc = spawn.Process(target=target, args=(self.settings, self.endpoints, *extra), name=name)
+            args = (name, self.settings.log_level, target, self.settings, self.endpoints, *extra)
+            proc = spawn.Process(target=lifecycle.run_child, args=args, name=name)
             proc.start()
             self.children.append(Child(name, proc, heartbeats[name]))
             log.info("started %s (pid %d)", name, proc.pid)
@@ -271,22 +272,30 @@ def serve(settings) -> int:
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
     try:
-        sup.start_children()
-        if not sup.wait_ready():
-            if sup.stop_requested:
-                sup.stop_all()
-                return 0
-            sup.stop_all()
-            return 1
-        sup.announce_ready(started)
-        code = sup.watch()
-        if code == 0:
-            sup.drain_and_stop()
+        return _run(sup, started)
+    except Exception as exc:  # the supervisor's own failure: one line, the traceback only when debugging
+        if settings.log_level.lower() == "debug":
+            log.exception("the supervisor failed")
         else:
-            sup.fail_http()
-            sup.stop_all()
-        log.info("stopped (exit code %d)", code)
-        return code
+            log.error("the supervisor failed: %s (--log-level debug shows the traceback)", lifecycle.one_line(exc))
+        return 1
     finally:
         sup.stop_all()
         sup.close()
+
+
+def _run(sup: Supervisor, started: float) -> int:
+    """Start, wait until ready, watch; the exit code."""
+    sup.start_children()
+    if not sup.wait_ready():
+        sup.stop_all()
+        return 0 if sup.stop_requested else 1
+    sup.announce_ready(started)
+    code = sup.watch()
+    if code == 0:
+        sup.drain_and_stop()
+    else:
+        sup.fail_http()
+        sup.stop_all()
+    log.info("stopped (exit code %d)", code)
+    return code

@@ -51,7 +51,13 @@ class SchedulerLoop:
         self.kv_events: KVEventRecorder | None = None
         self.publisher: KVEventPublisher | None = None
 
-    def wait_for_worker(self) -> p.WorkerReady:
+    def wait_for_worker(self) -> p.WorkerReady | None:
+        """The worker's WorkerReady; None if told to stop first (a start-up failure elsewhere: the wait
+        polls, so SIGTERM ends it at once instead of the supervisor's kill after its grace period)."""
+        while not self.results.poll(WAIT_POLL_MS):
+            lifecycle.beat(self.heartbeat)
+            if not self.running:
+                return None
         ready = ipc.recv(self.results)
         if not isinstance(ready, p.WorkerReady):
             raise RuntimeError(f"expected WorkerReady from the worker, got {type(ready).__name__}")
@@ -240,6 +246,9 @@ def run_scheduler(settings, endpoints: Endpoints, replica: int = 0) -> None:
     loop = SchedulerLoop(settings, endpoints, ctx, replica)
     lifecycle.on_sigterm(lambda: setattr(loop, "running", False))
     ready = loop.wait_for_worker()
+    if ready is None:
+        ctx.destroy(linger=0)
+        return
     log.info(
         "KV pool: %d blocks of %d tokens = %d tokens; max concurrency at max_model_len %d: %.1f",
         ready.num_blocks,

@@ -114,6 +114,13 @@ class Settings(BaseSettings):
         "continue). When set, those routes need it and the --api-key no longer opens them; it also opens every "
         "other route.", API_SURFACE,
         origin="appliance", min_length=1)
+    allow_remote_admin: bool = _f(
+        False, "Open the control routes on a non-loopback --host without an --admin-api-key (to anyone who "
+        "can reach the port, or to --api-key holders when that is set). Without it, and without an admin key, "
+        "they answer 403 there. A warning is logged at start-up.", API_SURFACE, origin="appliance")
+    weight_update_roots: list[str] = _f(
+        list, "Directories below which /update_weights_from_disk may read, besides the model's own directory "
+        "and the download cache (--download-dir, else the Hugging Face cache).", API_SURFACE, origin="appliance")
     chat_template: str | None = _f(None, "Built-in chat template name or template file path.", API_SURFACE)
     stream_interval: int = _f(
         1, "Streaming buffer interval in generated tokens. Smaller values stream more frequently.",

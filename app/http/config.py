@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,7 @@ class HttpConfig:
     heartbeat_timeout: float = 30.0
     worker_heartbeat_timeout: float = 600.0
     data_parallel_size: int = 1  # replicas, each with its own --max-num-seqs and --max-queued-requests
+    allow_remote_admin: bool = False  # --allow-remote-admin: control routes open on a public bind
 
     @property
     def capacity(self) -> int:
@@ -71,6 +73,12 @@ class HttpConfig:
             **{name: kind(getattr(settings, name, _DEFAULTS[name])) for name, kind in _RELIABILITY.items()},
         )
 
+    @property
+    def admin_closed(self) -> bool:
+        """Whether the control routes answer 403 whatever the key: reachable from outside (a non-loopback
+        bind) with no admin key, and not opened explicitly by --allow-remote-admin."""
+        return not self.admin_api_key and not self.allow_remote_admin and not is_loopback(self.host)
+
     def model_names(self) -> tuple[str, ...]:
         """Names a request's `model` may use: the served name or the model path."""
         return (self.served_model_name, self.model_path)
@@ -91,8 +99,18 @@ def _secret(settings: Any, name: str) -> str | None:
 
 
 _RELIABILITY = {"max_num_seqs": int, "max_queued_requests": int, "heartbeat_timeout": float,
-                "worker_heartbeat_timeout": float, "data_parallel_size": int}
+                "worker_heartbeat_timeout": float, "data_parallel_size": int, "allow_remote_admin": bool}
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(HttpConfig)}
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind address is reachable from this host only (0.0.0.0 and :: are every interface)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to a public interface
+        return False
 
 
 def _is_secret_name(name: str) -> bool:

@@ -228,6 +228,8 @@ def _responses(doc: RouteDoc, access: str) -> dict[str, Any]:
 
 
 def _effective_access(doc: RouteDoc, config: HttpConfig) -> str:
+    if doc.access == ADMIN and config.admin_closed:
+        return ADMIN
     if doc.access == OPEN or not (config.api_key or config.admin_api_key):
         return OPEN
     if doc.access == ADMIN and config.admin_api_key:

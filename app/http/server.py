@@ -30,7 +30,7 @@ from starlette.routing import BaseRoute
 from app import ipc
 from app.http import control, health, native, openai_routes, openapi, rl_control
 from app.http.auth import ADMIN, ApiKeyMiddleware
-from app.http.config import HttpConfig
+from app.http.config import HttpConfig, is_loopback
 from app.http.engine_client import BaseEngineClient, EngineClient
 from app.http.errors import CLIENT_CLOSED, APIError, ClientGone, error_body
 from app.http.liveness import EngineLiveness, beat_forever
@@ -86,9 +86,10 @@ def build_app(
         routes.append(metrics_route(config.served_model_name, lambda: client.info if client.ready else None))
         open_paths = (*open_paths, "/metrics")
     middleware = []
-    if config.api_key or config.admin_api_key:
+    if config.api_key or config.admin_api_key or config.admin_closed:
         middleware.append(Middleware(ApiKeyMiddleware, api_key=config.api_key, open_paths=open_paths,
-                                     admin_key=config.admin_api_key, admin_paths=openapi.paths_with(ADMIN)))
+                                     admin_key=config.admin_api_key, admin_paths=openapi.paths_with(ADMIN),
+                                     admin_closed=config.admin_closed))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -136,7 +137,20 @@ def run_http(settings: Any, endpoints: Endpoints) -> None:
     config = HttpConfig.from_settings(settings)
     configure_logging(config)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    log_admin_access(config)
     asyncio.run(_serve(settings, config, endpoints))
+
+
+def log_admin_access(config: HttpConfig) -> None:
+    """Say at start-up who can reach the control routes when the bind is public."""
+    if config.admin_api_key or is_loopback(config.host):
+        return
+    if config.admin_closed:
+        log.info("control routes closed on %s without --admin-api-key (403; see docs/operations.md)", config.host)
+    else:
+        log.warning("--allow-remote-admin: the control routes (abort, pause, weight updates) are open on %s to "
+                    "%s; set --admin-api-key to guard them", config.host,
+                    "--api-key holders" if config.api_key else "anyone who can reach the port")
 
 
 async def drain_and_stop(state: ServerState, server: uvicorn.Server, timeout: float,

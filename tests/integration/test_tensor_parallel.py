@@ -78,7 +78,7 @@ def test_tp_weight_updates_reach_every_rank(tmp_path, log_dir) -> None:
 
     base = build_tiny_model("llama", tmp_path / "base", seed=1)
     second = build_tiny_model("llama", tmp_path / "second", seed=2)
-    with Appliance(base, "--tp", "2", *FLAGS, log_dir=log_dir) as app:
+    with Appliance(base, "--tp", "2", *FLAGS, "--weight-update-roots", str(tmp_path), log_dir=log_dir) as app:
         r = post(app, "/update_weights_from_disk", {"model_path": str(second), "weight_version": "disk"})
         assert r.status_code == 200 and r.json()["success"], r.text
         assert served(app) == (hf_prompt_greedy(second), "disk")

@@ -58,7 +58,8 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def app(models, log_dir):
-    flags = ("--weight-version", "v0", "--block-size", "4", "--max-total-tokens", "2048")
+    flags = ("--weight-version", "v0", "--block-size", "4", "--max-total-tokens", "2048",
+             "--weight-update-roots", str(models["root"]))  # the other checkpoints lie beside the served one
     with Appliance(models["base"], *flags, log_dir=log_dir) as appliance:
         yield appliance
 

@@ -226,6 +226,42 @@ def test_admin_key_semantics() -> None:
     assert _status(api_only, "/flush_cache", "api") == 200  # without an admin key the API key opens control
 
 
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "my-host"])
+def test_control_routes_are_closed_on_a_public_bind_without_an_admin_key(host: str, caplog) -> None:
+    """403 whatever the key, with a message that says how to open them; the API is unchanged."""
+    for keys in ({}, {"api_key": "api"}):
+        app = build_app(settings(host=host, **keys), FakeEngine())
+        key = keys.get("api_key")
+        for path in ("/flush_cache", "/abort_request", "/pause_generation", "/update_weights_from_disk",
+                     "/init_weights_update_group"):
+            assert _status(app, path, key, "POST") == 403, path
+        assert _status(app, "/v1/models", key) == 200 and _status(app, "/health", None) == 200
+
+    async def body() -> dict[str, Any]:
+        transport = httpx.ASGITransport(app=build_app(settings(host=host), FakeEngine()))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            return (await client.post("/update_weights_from_disk", json={"model_path": "/etc"})).json()
+
+    error = asyncio.run(body())["error"]
+    assert error["code"] == "admin_routes_closed"
+    assert "--admin-api-key" in error["message"] and "--allow-remote-admin" in error["message"]
+    # An admin key, or the explicit flag (with a warning at start-up), opens them.
+    assert _status(build_app(settings(host=host, admin_api_key="adm"), FakeEngine()), "/flush_cache", "adm", "POST") == 200
+    opened = settings(host=host, allow_remote_admin=True)
+    assert _status(build_app(opened, FakeEngine()), "/flush_cache", None, "POST") == 200
+    from app.http.config import HttpConfig
+    from app.http.server import log_admin_access
+
+    caplog.set_level("WARNING")
+    log_admin_access(HttpConfig.from_settings(opened))
+    assert "--allow-remote-admin: the control routes" in caplog.text and "anyone who can reach the port" in caplog.text
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1", "127.0.0.2"])
+def test_control_routes_stay_open_on_loopback(host: str) -> None:
+    assert _status(build_app(settings(host=host), FakeEngine()), "/flush_cache", None, "POST") == 200
+
+
 def test_a_request_bigger_than_the_capacity_is_a_400_and_a_full_server_a_503() -> None:
     engine = FakeEngine(script=lambda req: None)  # never answers: requests stay in flight
     app = build_app(settings(max_num_seqs=2, max_queued_requests=1), engine)

@@ -22,6 +22,7 @@ from app.worker.loader.updates import (
     UpdateError,
     UpdateGroups,
     WeightControl,
+    allowed_roots,
     decode_named_tensors,
     update_from_disk,
     update_from_tensors,
@@ -32,7 +33,8 @@ from app.worker.parallel import SINGLE
 from tests.support.appliance import free_port
 from tests.support.model_factory import build_tiny_model
 
-SETTINGS = SimpleNamespace(hf_overrides={}, trust_remote_code=False, download_dir=None)
+SETTINGS = SimpleNamespace(hf_overrides={}, trust_remote_code=False, download_dir=None, weight_update_roots=[])
+EVERYWHERE = [Path("/")]  # roots for the tests that are not about them
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +65,7 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 def test_disk_reload_to_another_checkpoint_equals_loading_it(model_dirs) -> None:
     model, config = loaded(model_dirs["a"])
-    message = update_from_disk(model, config, SETTINGS, str(model_dirs["b"]), None)
+    message = update_from_disk(model, config, SETTINGS, str(model_dirs["b"]), None, EVERYWHERE)
     assert message.startswith("Loaded") and "safetensors" in message
     assert same(snapshot(model), snapshot(loaded(model_dirs["b"])[0]))
 
@@ -72,7 +74,7 @@ def test_refused_disk_reloads_leave_the_weights_alone(model_dirs, tmp_path) -> N
     model, config = loaded(model_dirs["a"])
     before = snapshot(model)
     with pytest.raises(UpdateError, match="different model .*intermediate_size"):
-        update_from_disk(model, config, SETTINGS, str(model_dirs["wide"]), None)
+        update_from_disk(model, config, SETTINGS, str(model_dirs["wide"]), None, EVERYWHERE)
     # Same config, but one tensor missing and one of the wrong shape: both named, nothing changed.
     broken = tmp_path / "broken"
     shutil.copytree(model_dirs["b"], broken)
@@ -81,18 +83,42 @@ def test_refused_disk_reloads_leave_the_weights_alone(model_dirs, tmp_path) -> N
     tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(3, 3)
     save_file(tensors, broken / "model.safetensors")
     with pytest.raises(UpdateError) as info:
-        update_from_disk(model, config, SETTINGS, str(broken), "safetensors")
+        update_from_disk(model, config, SETTINGS, str(broken), "safetensors", EVERYWHERE)
     assert "down_proj.weight is missing" in str(info.value) and "k_proj.weight has shape [3, 3]" in str(info.value)
     config_only = tmp_path / "config-only"
     config_only.mkdir()
     shutil.copy(model_dirs["b"] / "config.json", config_only)
     with pytest.raises(UpdateError, match="no safetensors weights"):
-        update_from_disk(model, config, SETTINGS, str(config_only), "safetensors")
+        update_from_disk(model, config, SETTINGS, str(config_only), "safetensors", EVERYWHERE)
     with pytest.raises(UpdateError, match="is a file"):
-        update_from_disk(model, config, SETTINGS, str(tmp_path / "broken" / "model.safetensors"), None)
+        update_from_disk(model, config, SETTINGS, str(tmp_path / "broken" / "model.safetensors"), None, EVERYWHERE)
     with pytest.raises(UpdateError, match="dummy"):
-        update_from_disk(model, config, SETTINGS, str(model_dirs["b"]), "dummy")
+        update_from_disk(model, config, SETTINGS, str(model_dirs["b"]), "dummy", EVERYWHERE)
     assert same(snapshot(model), before)
+
+
+def test_disk_reloads_read_only_below_the_allowed_roots(model_dirs, tmp_path) -> None:
+    """The served model's directory, the download cache and --weight-update-roots; a path outside them, a
+    symbolic link leading out, or one that does not exist all get the same answer, naming nothing found."""
+    model, config = loaded(model_dirs["a"])
+    before = snapshot(model)
+    settings = SimpleNamespace(**{**vars(SETTINGS), "download_dir": str(tmp_path / "cache"),
+                                  "weight_update_roots": [str(model_dirs["b"].parent / "wide")]})
+    roots = allowed_roots(model_dirs["a"], settings)
+    assert roots == [model_dirs["a"].resolve(), (tmp_path / "cache").resolve(), (model_dirs["b"].parent / "wide").resolve()]
+    (tmp_path / "escape").symlink_to(model_dirs["b"])  # b exists, but is not below a root
+    answers = set()
+    for outside in ["/etc", "/nonexistent/model", str(model_dirs["b"]), f"{model_dirs['a']}/../b", str(tmp_path / "escape"),
+                    "~/../../etc/passwd"]:
+        with pytest.raises(UpdateError, match="is not below an allowed root") as info:
+            update_from_disk(model, config, settings, outside, None, roots)
+        answers.add(str(info.value).replace(repr(outside), "PATH"))
+    assert len(answers) == 1 and "/etc" not in answers.pop()
+    assert same(snapshot(model), before)
+    # Below a root (the served model's own directory, a named root): read as before.
+    assert update_from_disk(model, config, settings, str(model_dirs["a"]), None, roots).startswith("Loaded")
+    with pytest.raises(UpdateError, match="different model"):
+        update_from_disk(model, config, settings, str(model_dirs["b"].parent / "wide"), None, roots)
 
 
 def test_tensor_updates_fill_fused_slices_and_refuse_as_a_whole(model_dirs) -> None:

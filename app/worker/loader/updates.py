@@ -15,6 +15,8 @@ update_weights_from_tensor payload: each element of `serialized_named_tensors` i
 from __future__ import annotations
 
 import logging
+import os
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +44,8 @@ _SAME_CONFIG = ("architectures", "hidden_size", "num_hidden_layers", "num_attent
 FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
 _SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 _SHOWN = 8
+# A Hub repo id ("org/name" or "name"): fetched into the download cache, never read from elsewhere.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 
 
 class UpdateError(ValueError):
@@ -168,14 +172,42 @@ def _check_config(served: Any, model_dir: Path, settings: Any) -> None:
                           "serving another architecture needs a new appliance")
 
 
+def allowed_roots(served_dir: Path, settings: Any) -> list[Path]:
+    """Where update_weights_from_disk may read: the served model's directory, the download cache and
+    --weight-update-roots, with symbolic links resolved."""
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    roots = [served_dir, settings.download_dir or HF_HUB_CACHE, *settings.weight_update_roots]
+    return [Path(os.path.realpath(Path(root).expanduser())) for root in roots]
+
+
+def _below(path: Path, roots: list[Path]) -> bool:
+    return any(path == root or root in path.parents for root in roots)
+
+
+def _update_dir(model_path: str, fmt: str, settings: Any, roots: list[Path]) -> Path:
+    """The checkpoint directory an update reads, refused (UpdateError) unless it lies below a root. The
+    check comes before any file is read, and its message is the same whether the path exists or not:
+    a caller learns nothing of the file system outside the roots."""
+    refused = UpdateError(f"weights not updated: model_path {model_path!r} is not below an allowed root (the served "
+                          "model's directory, the download cache, or a --weight-update-roots directory)")
+    local = Path(os.path.realpath(Path(model_path).expanduser()))
+    if not _below(local, roots) and not _HUB_ID.fullmatch(model_path):
+        raise refused
+    model_dir = resolve_model_path(model_path, fmt, None, settings.download_dir, settings.trust_remote_code)
+    if not _below(Path(os.path.realpath(model_dir)), roots):  # a Hub id that named a local directory
+        raise refused
+    return model_dir
+
+
 def update_from_disk(model: DenseCausalLM, served_config: Any, settings: Any, model_path: str,
-                     load_format: str | None) -> str:
-    """Reload every weight from a checkpoint directory (or Hub id) of the same model."""
+                     load_format: str | None, roots: list[Path]) -> str:
+    """Reload every weight from a checkpoint directory (or Hub id) of the same model, below `roots`."""
     fmt = load_format or "auto"
     if fmt == "dummy":
         raise UpdateError("update_weights_from_disk needs a checkpoint: load_format 'dummy' reads no files")
     try:
-        model_dir = resolve_model_path(model_path, fmt, None, settings.download_dir, settings.trust_remote_code)
+        model_dir = _update_dir(model_path, fmt, settings, roots)
         _check_config(served_config, model_dir, settings)
         resolved, files = checkpoint_files(model_dir, fmt)
         targets = TargetMap(model).check(_header_entries(resolved, files), complete=True)
@@ -289,7 +321,8 @@ class WeightControl:
         if getattr(r, "quant_scheme", None) is not None:
             raise UpdateError("weights not updated: updating a quantized model's weights is not supported yet")
         if kind == "update_weights_from_disk":
-            return update_from_disk(r.model, r.config, r.settings, args["model_path"], args.get("load_format"))
+            roots = allowed_roots(r.model_dir, r.settings)
+            return update_from_disk(r.model, r.config, r.settings, args["model_path"], args.get("load_format"), roots)
         if kind == "update_weights_from_distributed":
             return self.groups.receive(r.model, args["group_name"], args["names"], args["dtypes"], args["shapes"])
         if kind == "update_weights_from_tensor":

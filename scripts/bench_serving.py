@@ -10,7 +10,9 @@ dataset does), reproducibly for --seed. Arrivals are a Poisson process at --requ
 requests/s (inf: all at once), at most --max-concurrency in flight. Reports TTFT, TPOT, ITL and
 end-to-end latency (mean, p50, p90, p99, in ms), request and token throughput (from the lengths the
 server reports), mean input and output length; prints that summary and writes it to --json with each
-request's drawn and served lengths under "requests".
+request's drawn and served lengths under "requests". It exits 1, saying why on stderr, when the
+server does not serve (/v1/models fails) or any request failed: a benchmark with failed requests
+measures something else (--allow-failures accepts them, as long as one request completed).
 
   python scripts/bench_serving.py --base-url http://127.0.0.1:8000 --num-prompts 200 \\
       --input-len 512 --output-len 128 --request-rate 8 --json serving.json
@@ -24,6 +26,7 @@ import json
 import math
 import random
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -133,6 +136,9 @@ async def one_request(client: httpx.AsyncClient, args: argparse.Namespace, job: 
                 if data == "[DONE]":
                     break
                 chunk = json.loads(data)
+                if chunk.get("error"):  # the request failed after its stream started
+                    out.error = f"stream error: {str(chunk['error'].get('message'))[:200]}"
+                    return out
                 if chunk.get("usage"):
                     out.prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
                     out.output_tokens = chunk["usage"].get("completion_tokens", 0)
@@ -163,7 +169,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         base_url=args.base_url, headers=headers, timeout=None, limits=limits
     ) as client:
         if args.model is None:
-            args.model = (await client.get("/v1/models")).json()["data"][0]["id"]
+            args.model = await served_model(client)
         rng = random.Random(args.seed)
         jobs = make_jobs(args, rng)
         gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
@@ -184,6 +190,32 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         outcomes = await asyncio.gather(*tasks)
         duration = time.perf_counter() - started
     return summarize(args, jobs, outcomes, duration, started_at)
+
+
+class NotServing(RuntimeError):
+    """The server cannot be benchmarked (not reachable, not ready, no model)."""
+
+
+async def served_model(client: httpx.AsyncClient) -> str:
+    """The first model of /v1/models (NotServing when the server does not answer it)."""
+    try:
+        response = await client.get("/v1/models")
+    except httpx.HTTPError as exc:
+        raise NotServing(f"cannot reach {client.base_url}: {exc!r}") from exc
+    if response.status_code != 200:
+        raise NotServing(f"{client.base_url}/v1/models answered {response.status_code}: {response.text[:200]}")
+    return response.json()["data"][0]["id"]
+
+
+def verdict(result: dict[str, Any], allow_failures: bool) -> str | None:
+    """Why the run is not a valid benchmark (None when it is)."""
+    failed, total = result["failed"], result["completed"] + result["failed"]
+    if result["completed"] == 0:
+        return f"no request completed ({failed} failed: {result['errors']})"
+    if failed and not allow_failures:
+        return (f"{failed} of {total} requests failed ({result['errors']}); "
+                "pass --allow-failures to report the others anyway")
+    return None
 
 
 def request_detail(job: Job, out: Outcome) -> dict[str, Any]:
@@ -266,18 +298,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--allow-failures", action="store_true",
+                        help="exit 0 even when some requests failed (not when none completed)")
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    result = asyncio.run(run(args))
+    try:
+        result = asyncio.run(run(args))
+    except NotServing as exc:
+        print(f"bench_serving: the server is not serving: {exc}", file=sys.stderr)
+        return 1
     # The summary only: the per-request detail (one entry per prompt) goes to --json.
     summary = {key: value for key, value in result.items() if key != "requests"}
     print(json.dumps(summary, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    problem = verdict(result, args.allow_failures)
+    if problem is not None:
+        print(f"bench_serving: not a valid benchmark: {problem}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -10,7 +10,9 @@
 # MORE (further benchmarks against the same server, each SUFFIX:CONCURRENCY:RANGE_RATIO:NUM_PROMPTS:OUTPUT_LEN,
 # written to NAME-SUFFIX.json), PYSPY_BENCH and PYSPY_S (py-spy, when installed, samples the worker and the
 # scheduler for PYSPY_S seconds from the start of the MORE benchmark PYSPY_BENCH: NAME-PROCESS.pyspy.txt,
-# collapsed stacks, idle frames included).
+# collapsed stacks, idle frames included), READY_TIMEOUT_S (600: how long the appliance may take to be ready).
+# It stops with exit 1, saying why, when the appliance exits or is not ready in time, or a benchmark fails
+# (bench_serving exits 1 when a request failed).
 set -uo pipefail
 RUN=${1:?run dir}
 NAME=${2:-serving}
@@ -25,9 +27,12 @@ python3 -m app.cli serve $MODEL --load-format dummy --dtype bfloat16 --device cu
   --enable-log-request-stats --port $PORT ${SERVE_FLAGS:-} > "$RUN/$NAME-serve.log" 2>&1 &
 SERVER=$!
 trap 'kill -TERM $SERVER 2>/dev/null; wait $SERVER' EXIT
-for _ in $(seq 1 240); do
-  if curl -sf "http://127.0.0.1:$PORT/readiness" > /dev/null; then break; fi
-  kill -0 $SERVER 2>/dev/null || { echo "appliance exited"; tail -50 "$RUN/$NAME-serve.log"; exit 1; }
+deadline=$(( $(date +%s) + ${READY_TIMEOUT_S:-600} ))
+until curl -sf "http://127.0.0.1:$PORT/readiness" > /dev/null; do
+  kill -0 $SERVER 2>/dev/null || { echo "appliance exited before it was ready"; tail -50 "$RUN/$NAME-serve.log"; exit 1; }
+  if [ "$(date +%s)" -ge $deadline ]; then
+    echo "appliance not ready after ${READY_TIMEOUT_S:-600} s: no benchmark"; tail -50 "$RUN/$NAME-serve.log"; exit 1
+  fi
   sleep 0.5
 done
 ready=$(python3 -c "import time; print(round(time.time() - $t0, 1))")
@@ -40,7 +45,9 @@ bench() {  # bench JSON CONCURRENCY RANGE_RATIO NUM_PROMPTS OUTPUT_LEN
   python3 scripts/bench_serving.py --base-url "http://127.0.0.1:$PORT" --num-prompts "$4" --seed $SEED \
     --input-len "${INPUT_LEN:-1024}" --output-len "$5" --max-concurrency "$2" \
     --random-range-ratio "$3" --vocab-size 128000 --min-token-id 10 \
-    --json "$1" | tail -50  # the whole summary (about 46 lines)
+    --json "$1" | tail -50  # the whole summary (about 46 lines); pipefail keeps bench_serving's status
+  local status=$?
+  [ $status -eq 0 ] || { echo "benchmark $1 failed (exit $status): stopping"; exit 1; }
 }
 bench "$RUN/$NAME.json" "${CONCURRENCY:-4}" "${RANGE_RATIO:-0}" "${NUM_PROMPTS:-16}" "${OUTPUT_LEN:-128}"
 profile() {  # profile SUFFIX: py-spy on the engine processes while that benchmark runs

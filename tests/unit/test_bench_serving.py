@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from scripts import bench_serving
@@ -36,6 +36,8 @@ class FakeServer(ThreadedServer):
 
     def __init__(self) -> None:
         self.bodies: list[dict[str, Any]] = []
+        self.serving = True  # False: /v1/models answers 503, as an appliance that is not ready
+        self.failures = 0  # the next this-many completions fail: 500, then an error inside the stream
         app = Starlette(
             routes=[
                 Route("/v1/models", self.models),
@@ -45,15 +47,25 @@ class FakeServer(ThreadedServer):
         super().__init__(app, lifespan="off")
 
     async def models(self, request: Request) -> JSONResponse:
+        if not self.serving:
+            return JSONResponse({"error": {"message": "not ready"}}, status_code=503)
         return JSONResponse({"data": [{"id": "fake"}]})
 
-    async def completions(self, request: Request) -> StreamingResponse:
+    async def completions(self, request: Request) -> Response:
         body = await request.json()
         self.bodies.append(body)
         prompt = body["prompt"]
         prompt_tokens = len(prompt) if isinstance(prompt, list) else len(prompt.split())
+        fail, self.failures = self.failures > 0, max(0, self.failures - 1)
+        if fail and len(self.bodies) % 2:
+            return JSONResponse({"error": {"message": "engine step failed"}}, status_code=500)
 
         async def events() -> AsyncIterator[str]:
+            if fail:
+                yield "data: " + json.dumps({"choices": [{"index": 0, "text": "w "}]}) + "\n\n"
+                yield "data: " + json.dumps({"error": {"message": "the engine failed"}}) + "\n\n"
+                yield "data: [DONE]\n\n"
+                return
             for _ in range(body["max_tokens"]):
                 yield "data: " + json.dumps({"choices": [{"index": 0, "text": "w "}]}) + "\n\n"
             usage = {"prompt_tokens": prompt_tokens, "completion_tokens": body["max_tokens"]}
@@ -180,13 +192,43 @@ def test_main_prints_the_summary_and_writes_the_detail(
     fake: FakeServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "serving.json"
-    bench_serving.main(["--base-url", fake.url, "--vocab-size", str(VOCAB), "--num-prompts", "4", "--input-len",
-                        "6", "--output-len", "3", "--random-range-ratio", "0.25", "--json", str(out)])  # fmt: skip
+    assert bench_serving.main(["--base-url", fake.url, "--vocab-size", str(VOCAB), "--num-prompts", "4",
+                               "--input-len", "6", "--output-len", "3", "--random-range-ratio", "0.25",
+                               "--json", str(out)]) == 0  # fmt: skip
     printed, written = json.loads(capsys.readouterr().out), json.loads(out.read_text())
     assert printed["random_range_ratio"] == written["random_range_ratio"] == 0.25
     assert printed["mean_input_len"] == written["mean_input_len"] is not None
     assert "requests" not in printed and len(written["requests"]) == 4
     assert {key: value for key, value in written.items() if key != "requests"} == printed
+
+
+def test_failed_requests_fail_the_run_unless_allowed(fake: FakeServer, capsys: pytest.CaptureFixture[str]) -> None:
+    """A refused request (HTTP 500) or one whose stream ends in an error makes the run exit 1, saying so;
+    --allow-failures accepts them while one request completed."""
+    argv = ["--base-url", fake.url, "--vocab-size", str(VOCAB), "--num-prompts", "4", "--input-len", "4",
+            "--output-len", "2", "--max-concurrency", "1"]  # fmt: skip
+    fake.bodies.clear()
+    fake.failures = 2  # one 500, one error inside the stream
+    assert bench_serving.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "not a valid benchmark: 2 of 4 requests failed" in err and "--allow-failures" in err
+    fake.failures = 2
+    assert bench_serving.main([*argv, "--allow-failures"]) == 0
+    assert json.loads(capsys.readouterr().out)["failed"] == 2
+    fake.failures = 4
+    assert bench_serving.main([*argv, "--allow-failures"]) == 1
+    assert "no request completed (4 failed" in capsys.readouterr().err
+
+
+def test_a_server_that_is_not_serving_fails_the_run(fake: FakeServer, capsys: pytest.CaptureFixture[str]) -> None:
+    fake.serving = False
+    try:
+        assert bench_serving.main(["--base-url", fake.url, "--num-prompts", "1"]) == 1
+    finally:
+        fake.serving = True
+    assert "the server is not serving" in capsys.readouterr().err
+    assert bench_serving.main(["--base-url", "http://127.0.0.1:9", "--num-prompts", "1"]) == 1  # nothing listens
+    assert "cannot reach" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("env", "passed"), [({}, "0"), ({"RANGE_RATIO": "0.25"}, "0.25")])
@@ -209,3 +251,25 @@ def test_serve_and_bench_passes_range_ratio(tmp_path: Path, env: dict[str, str],
     assert len(bench_calls) == 1
     argv = bench_calls[0]
     assert argv[argv.index("--random-range-ratio") + 1] == passed
+
+
+@pytest.mark.parametrize(("curl", "bench", "says"), [
+    ("exit 7", "exit 0", "appliance not ready after 1 s: no benchmark"),  # readiness never answers 200
+    ("exit 0", "exit 1", "failed (exit 1): stopping"),  # bench_serving reports failed requests
+])
+def test_serve_and_bench_stops_when_not_ready_or_requests_fail(tmp_path: Path, curl: str, bench: str, says: str) -> None:
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(
+        f'#!/bin/bash\necho "$*" >> {log}\n'
+        f'case "$1" in -c) exec {sys.executable} "$@" ;; -m) exec sleep 30 ;; *bench_serving.py) {bench} ;; esac\n'
+    )
+    (bin_dir / "curl").write_text(f"#!/bin/bash\n{curl}\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    done = subprocess.run(["bash", "scripts/gpu/serve_and_bench.sh", str(tmp_path), "run"], cwd=ROOT,
+                          env={"PATH": f"{bin_dir}:/usr/bin:/bin", "READY_TIMEOUT_S": "1", "MORE": "x:1:0:1:1"},
+                          capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert done.returncode == 1 and says in done.stdout, done.stdout
+    calls = [line for line in log.read_text().splitlines() if "bench_serving.py" in line]
+    assert len(calls) == (0 if "not ready" in says else 1)  # nothing measured past the failure

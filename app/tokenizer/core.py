@@ -132,10 +132,10 @@ class TokenizerCore:
             return [_error(req.rid, "the engine is not ready yet", 503)]
         if req.rid in self._requests:
             return [_error(req.rid, f"request id {req.rid!r} is already in use", 400)]
-        refusal = admission_error(req.sampling, self._engine)
-        if refusal is not None:
-            return [_error(req.rid, refusal, 400)]
         try:
+            refusal = admission_error(req.sampling, self._engine)
+            if refusal is not None:
+                return [_error(req.rid, refusal, 400)]
             prompt = self._prompt_of(req)
             state = self._output_of(req, prompt)
         except PromptError as exc:

@@ -58,9 +58,15 @@ def test_a_request_the_sampler_cannot_serve_is_a_400_and_its_neighbours_finish(a
     assert bad.status_code == 400 and "temperature" in bad.json()["error"]["message"], bad.text
     assert [r.status_code for r in good] == [200] * 8
     assert [r.json()["output_ids"] for r in good] == alone
-    chat = httpx.post(f"{app.base_url}/v1/completions", timeout=60,
-                      json={"model": app_model(app), "prompt": "hello", "max_tokens": 2, "temperature": 0.5})
-    assert chat.status_code == 400 and "sampling backend 'greedy'" in chat.json()["error"]["message"]
+    # n: a request's choices are refused together; another request's choices are served.
+    completion = {"model": app_model(app), "prompt": "hello", "max_tokens": 3}
+    bad_n, good_n = concurrently(
+        lambda: httpx.post(f"{app.base_url}/v1/completions", json={**completion, "n": 3, "temperature": 0.5},
+                           timeout=60),
+        lambda: httpx.post(f"{app.base_url}/v1/completions", json={**completion, "n": 2, "temperature": 0},
+                           timeout=60))
+    assert bad_n.status_code == 400 and "sampling backend 'greedy'" in bad_n.json()["error"]["message"]
+    assert good_n.status_code == 200 and len({c["text"] for c in good_n.json()["choices"]}) == 1
     assert app.wait_idle(headers=ADMIN)["num_used_blocks"] == 0
 
 

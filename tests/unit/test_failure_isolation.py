@@ -178,3 +178,16 @@ def test_admission_refuses_what_the_engine_reported_it_cannot_serve(backend, sam
     assert field in (admission_error(sampling, engine) or "")
     assert admission_error(GREEDY, engine) is None
     assert admission_error(dataclasses.replace(GREEDY, logprobs=True, top_logprobs=20), engine) is None
+
+
+def test_the_tokenizer_answers_a_refused_request_itself() -> None:
+    """Nothing reaches the scheduler: the client gets the 400 at once, and the next request is served."""
+    from app.tokenizer.core import HTTP, SCHEDULER, TokenizerCore
+
+    core = TokenizerCore(None)
+    core.handle(p.EngineReady(engine=dataclasses.replace(ENGINE, sampling_backend="greedy")))
+    [out] = core.handle(p.GenerateRequest(rid="hot", sampling=SamplingParams(temperature=0.9), input_ids=[5, 6]))
+    [delta] = out.msg.deltas
+    assert out.dest == HTTP and delta.error_code == 400 and "temperature=0.9" in delta.error
+    [ok] = core.handle(p.GenerateRequest(rid="cold", sampling=GREEDY, input_ids=[5, 6]))
+    assert ok.dest == SCHEDULER and core.num_live_requests == 1

@@ -308,3 +308,19 @@ def test_settle_heap_freezes_what_is_alive() -> None:
         assert gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()  # leave the test process as it was
+
+
+def test_text_size_limit_reads_the_engine_info() -> None:
+    """EngineInfo.max_token_chars x max_model_len bounds a text prompt before it is tokenized."""
+    from app.http.errors import APIError
+    from app.http.limits import check_text_length, max_prompt_chars
+
+    engine = p.EngineInfo(max_model_len=8, vocab_size=100, max_token_chars=3)
+    assert max_prompt_chars(engine) == 24
+    check_text_length(24, engine, "prompt")
+    with pytest.raises(APIError) as refused:
+        check_text_length(25, engine, "prompt")
+    assert refused.value.status == 400 and refused.value.code == "context_length_exceeded"
+    assert "--max-model-len 8 tokens of at most 3 characters" in refused.value.message
+    assert max_prompt_chars(p.EngineInfo(max_model_len=8)) is None  # --skip-tokenizer-init: not known
+    assert max_prompt_chars(p.EngineInfo()) is None  # not ready

@@ -22,6 +22,7 @@ from app.http.openai_format import (
 from app.http.openai_schemas import (
     Prompt,
     check_model,
+    engine_template_fields,
     engine_tool_fields,
     parse_chat,
     parse_completion,
@@ -109,13 +110,13 @@ async def chat_completions(request: Request) -> Response:
     messages = [m.to_engine() for m in body.messages]
     stream = bool(body.stream)
     requests = fan_out(rid, meta.n, sampling, [{"messages": messages}], stream=stream,
-                       chat_template_kwargs=dict(body.chat_template_kwargs or {}), **tool_fields)
+                       **engine_template_fields(body), **tool_fields)
     state.request_log.received(rid, "/v1/chat/completions", [messages], sampling,
                                {"n": meta.n, "stream": stream, "user": body.user,
                                 "chat_template_kwargs": body.chat_template_kwargs,
                                 "tools": [t["function"]["name"] for t in tool_fields["tools"]] or None})
     top_logprobs = sampling.top_logprobs if sampling.logprobs else None
-    reasoning = tool_fields["separate_reasoning"]
+    reasoning = tool_fields["separate_reasoning"] and body.include_reasoning is not False
     if stream:
         formatter = ChatStream(meta, top_logprobs, body.include_usage, reasoning=reasoning,
                                continuous_usage=body.continuous_usage)

@@ -62,6 +62,35 @@ _NOT_BUILT_CHAT: dict[str, Callable[[Any], bool]] = {
 }
 
 
+# vLLM's and SGLang's request extensions that are not built, with their "not used" values; the ones that
+# are built are fields below (top_k, min_p, ..., include_stop_str_in_output, continue_final_message).
+_NOT_BUILT_EXTENSIONS: dict[str, Callable[[Any], bool]] = {
+    "use_beam_search": lambda v: v in (None, False),
+    "length_penalty": lambda v: v in (None, 1, 1.0),
+    "priority": lambda v: v in (None, 0),
+    "truncate_prompt_tokens": lambda v: v is None,
+    "return_tokens_as_token_ids": lambda v: v in (None, False),
+    "return_token_ids": lambda v: v in (None, False),
+    "allowed_token_ids": lambda v: v is None,
+    "bad_words": lambda v: v in (None, []),
+    "request_id": lambda v: v is None,
+    "cache_salt": lambda v: v is None,
+    "kv_transfer_params": lambda v: v is None,
+    "vllm_xargs": lambda v: v is None,
+    "lora_path": lambda v: v is None,
+    "return_hidden_states": lambda v: v in (None, False),
+    "mm_processor_kwargs": lambda v: v in (None, {}),
+}
+_NOT_BUILT_CHAT_EXTENSIONS: dict[str, Callable[[Any], bool]] = {
+    "documents": lambda v: v in (None, []),
+    "chat_template": lambda v: v is None,  # the server's --chat-template or the model's own applies
+    "stream_reasoning": lambda v: v in (None, True),
+}
+_NOT_BUILT_COMPLETIONS.update(_NOT_BUILT_EXTENSIONS)
+_NOT_BUILT_CHAT.update(_NOT_BUILT_EXTENSIONS)
+_NOT_BUILT_CHAT.update(_NOT_BUILT_CHAT_EXTENSIONS)
+
+
 def drop_not_built(body: dict[str, Any], not_built: dict[str, Callable[[Any], bool]]) -> dict[str, Any]:
     """Refuse a parameter we do not build unless its value means 'not used'; drop it then."""
     for name, unused in not_built.items():
@@ -98,8 +127,18 @@ class SamplingFields(StrictBody):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted as OpenAI does (end-user id); shown in request logs only
+    include_stop_str_in_output: bool | None = None  # vLLM's name for keeping the matched stop string
+    no_stop_trim: bool | None = None  # SGLang's
+    spaces_between_special_tokens: bool | None = None
 
     _top_k = field_validator("top_k")(check_top_k)
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _model_or_absent(cls, value: Any) -> Any:
+        if value is None:  # only an absent model means the served one
+            raise ValueError("must be a string (leave it out for the served model)")
+        return value
     _stop_shape = field_validator("stop", mode="before")(normalize_stop)
     _stop = field_validator("stop")(check_stop)
 
@@ -138,6 +177,8 @@ class SamplingFields(StrictBody):
             ignore_eos=_or(self.ignore_eos, False),
             min_new_tokens=_or(self.min_tokens, 0),
             skip_special_tokens=_or(self.skip_special_tokens, True),
+            spaces_between_special_tokens=_or(self.spaces_between_special_tokens, True),
+            no_stop_trim=bool(self.include_stop_str_in_output or self.no_stop_trim),
             logprobs=top_logprobs is not None,
             top_logprobs=top_logprobs or 0,
         )
@@ -309,6 +350,9 @@ class ChatBody(SamplingFields):
     tool_choice: Any = None  # ToolChoice, checked by parse_tool_choice
     parallel_tool_calls: bool | None = None
     separate_reasoning: bool | None = None  # SGLang: false keeps the reasoning inside content
+    include_reasoning: bool | None = None  # vLLM: false drops the reasoning (content is the answer only)
+    add_generation_prompt: bool | None = None  # vLLM: false renders no assistant header
+    continue_final_message: bool | None = None  # vLLM: the answer continues the last (assistant) message
 
     _tool_choice = field_validator("tool_choice", mode="before")(parse_tool_choice)
 
@@ -332,6 +376,9 @@ def parse_chat(body: dict[str, Any], vocab_size: int | None) -> tuple[ChatBody, 
         # app.http.tools.forced_call_schema is the constraint; decoding cannot be constrained yet.
         raise unsupported("tool_choice", "'required' and a named function need constrained decoding, which is "
                           "not built yet; use 'auto' or 'none'")
+    if parsed.continue_final_message and parsed.add_generation_prompt:
+        raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true",
+                          param="continue_final_message")
     top = (parsed.top_logprobs or 0) if parsed.logprobs else None
     max_tokens = parsed.max_completion_tokens if parsed.max_completion_tokens is not None else parsed.max_tokens
     return parsed, parsed.sampling(vocab_size, max_tokens, top)
@@ -346,6 +393,15 @@ def engine_tool_fields(body: ChatBody, tool_call_parser: str | None, reasoning_p
                           "tool_choice 'none' to only show the tools to the model)", param="tools")
     return {"tools": tools, "parse_tool_calls": parse, "parallel_tool_calls": body.parallel_tool_calls is not False,
             "separate_reasoning": reasoning_parser is not None and body.separate_reasoning is not False}
+
+
+def engine_template_fields(body: ChatBody) -> dict[str, Any]:
+    """How the chat template renders: kwargs, the generation prompt, continuing the final message."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    if body.continue_final_message:
+        kwargs["continue_final_message"] = True  # apply_chat_template's own argument
+    generation_prompt = not body.continue_final_message and body.add_generation_prompt is not False
+    return {"chat_template_kwargs": kwargs, "add_generation_prompt": generation_prompt}
 
 
 def check_model(model: str | None, names: tuple[str, ...]) -> None:

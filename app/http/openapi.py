@@ -159,6 +159,12 @@ NOT_BUILT_VALUES: dict[str, list[Any]] = {
     "service_tier": [None, "auto", "default"], "store": [None, False], "metadata": [None],
     "web_search_options": [None], "prompt_cache_key": [None], "prompt_cache_options": [None],
     "prompt_cache_retention": [None], "moderation": [None], "safety_identifier": [None], "verbosity": [None],
+    # vLLM's and SGLang's extensions that are not built.
+    "use_beam_search": [None, False], "length_penalty": [None, 1.0], "priority": [None, 0],
+    "truncate_prompt_tokens": [None], "return_tokens_as_token_ids": [None, False], "return_token_ids": [None, False],
+    "allowed_token_ids": [None], "bad_words": [None, []], "request_id": [None], "cache_salt": [None],
+    "kv_transfer_params": [None], "vllm_xargs": [None], "lora_path": [None], "return_hidden_states": [None, False],
+    "mm_processor_kwargs": [None, {}], "documents": [None, []], "chat_template": [None], "stream_reasoning": [None, True],
 }
 NOT_BUILT_OF = {"CompletionBody": openai_schemas._NOT_BUILT_COMPLETIONS, "ChatBody": openai_schemas._NOT_BUILT_CHAT}
 # Models a body refers to through an override (its field is typed loosely and validated by hand).

@@ -270,3 +270,28 @@ def test_tools_need_a_parser(engine: CoreEngine) -> None:
         engine.answer = THINKING  # without --reasoning-parser the text is the content
         r = httpx.post(f"{live.url}/v1/chat/completions", json={**body, "tool_choice": "none"}, timeout=30)
         assert r.json()["choices"][0]["message"] == {"role": "assistant", "content": THINKING}
+
+
+def test_vllm_and_sglang_extensions(engine: CoreEngine, client: openai.OpenAI) -> None:
+    kept = _ask(engine, client, "One. Two. Three.", stop=["Two"], extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].message.content == "One. Two"
+    assert _ask(engine, client, "One. Two.", stop=["Two"]).choices[0].message.content == "One. "
+    dropped = _ask(engine, client, THINKING, extra_body={"include_reasoning": False}).choices[0].message
+    assert dropped.content == "It is 42." and getattr(dropped, "reasoning_content", None) is None
+    messages = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "One, two,"}]
+    _ask(engine, client, " three.", messages=messages, extra_body={"continue_final_message": True})
+    assert engine.prompts[-1].endswith("<|im_start|>assistant\nOne, two,")  # no end of turn, no new header
+    _ask(engine, client, "ok", extra_body={"add_generation_prompt": False})
+    assert engine.prompts[-1].endswith("What is the weather in Paris?<|im_end|>\n")
+
+
+@pytest.mark.parametrize(("patch", "param"), [
+    ({"use_beam_search": True}, "use_beam_search"),
+    ({"chat_template": "{{ x }}"}, "chat_template"),
+    ({"model": None}, "model"),
+    ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
+])
+def test_unbuilt_extensions_are_refused_by_name(server: LiveServer, patch: dict, param: str) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **patch}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

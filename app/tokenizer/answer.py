@@ -58,7 +58,8 @@ def answer_parser(req: GenerateRequest, tokenizer: Any, prompt: list[int], *, re
     """The request's parser, or None when neither applies (no parser set, not asked, no tools)."""
     reasoning = None
     rfmt = REASONING_FORMATS.get(reasoning_parser or "")
-    if req.separate_reasoning and rfmt is not None:
+    thinking_off = rfmt is not None and rfmt.switch is not None and req.chat_template_kwargs.get(rfmt.switch) is False
+    if req.separate_reasoning and rfmt is not None and not thinking_off:
         tail = tokenizer.decode(prompt[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
         reasoning = ReasoningSplitter(rfmt, inside=prompt_opens_reasoning(rfmt, tail))
     tools = None

@@ -4,13 +4,15 @@ Every family on the list writes its reasoning between `<think>` and `</think>` (
 docs/api.md); they differ in whether the output starts inside the block and in what else may
 close it:
 - qwen3: the model opens the block itself, or the template opened it (Qwen3 thinking-only
-  models), or the template wrote an empty block (`enable_thinking: false`): all three are read
-  from the end of the rendered prompt.
+  models), or the template wrote an empty block (`enable_thinking: false`, which also turns the
+  parser off): all three are read from the end of the rendered prompt.
 - deepseek_r1: the output always starts inside (R1's template ends the prompt with `<think>`;
   older R1 outputs omit the opening tag), as SGLang's and vLLM's parsers assume.
 - deepseek_v31: the template writes `<think>` (thinking mode) or `</think>` into the prompt.
-- kimi_k25: as qwen3, and a tool-call section also ends the reasoning (K2.5 may call a tool
-  without closing the block); the section stays in the content for the tool parser.
+- kimi_k25: thinking by default, so the output starts inside unless the prompt closed the block or
+  `chat_template_kwargs` sets `thinking: false` (as vLLM's parser of that name); a tool-call section
+  also ends the reasoning (K2.5 may call a tool without closing the block) and stays in the content
+  for the tool parser.
 - base: `<think>...</think>` with nothing else assumed.
 
 The splitter is a state machine over the text as it arrives: it holds back only what could still
@@ -33,27 +35,31 @@ class ReasoningFormat:
     name: str
     start: str = THINK_START
     end: str = THINK_END
-    always_inside: bool = False  # the output starts inside the block whatever the prompt says
+    always_inside: bool = False  # the output starts inside the block unless the prompt closed one
     ends_before: tuple[str, ...] = ()  # markers that end the reasoning and stay in the content
+    switch: str | None = None  # the chat_template_kwargs key whose false value means "no thinking"
 
 
 REASONING_FORMATS: dict[str, ReasoningFormat] = {
     "base": ReasoningFormat("base"),
-    "qwen3": ReasoningFormat("qwen3"),
+    "qwen3": ReasoningFormat("qwen3", switch="enable_thinking"),
     "deepseek_r1": ReasoningFormat("deepseek_r1", always_inside=True),
-    "deepseek_v31": ReasoningFormat("deepseek_v31"),
-    "kimi_k25": ReasoningFormat("kimi_k25", ends_before=(KIMI_TOOL_SECTION,)),
+    "deepseek_v31": ReasoningFormat("deepseek_v31", switch="thinking"),
+    "kimi_k25": ReasoningFormat("kimi_k25", always_inside=True, ends_before=(KIMI_TOOL_SECTION,), switch="thinking"),
 }
 
 # How much of the rendered prompt's end is read to see whether the template opened the block.
 PROMPT_TAIL_CHARS = 64
 
 
-def prompt_opens_reasoning(fmt: ReasoningFormat, prompt_tail: str) -> bool:
-    """True when the prompt ends inside an open reasoning block (the template wrote the opening tag)."""
+def prompt_opens_reasoning(fmt: ReasoningFormat, prompt_tail: str) -> bool | None:
+    """True: the prompt ends inside an open block (the template wrote the opening tag); False: the
+    template closed one (thinking off); None: neither tag is at the end of the prompt."""
     tail = prompt_tail[-PROMPT_TAIL_CHARS:]
-    opened = tail.rfind(fmt.start)
-    return opened >= 0 and tail.rfind(fmt.end) < opened
+    opened, closed = tail.rfind(fmt.start), tail.rfind(fmt.end)
+    if opened < 0 and closed < 0:
+        return None
+    return opened > closed
 
 
 class _State(Enum):
@@ -81,10 +87,12 @@ class ReasoningSplitter:
     Reasoning is stripped of surrounding whitespace, and so is the start of the answer after the
     block; output without a block is content exactly as written."""
 
-    def __init__(self, fmt: ReasoningFormat, *, inside: bool = False) -> None:
+    def __init__(self, fmt: ReasoningFormat, *, inside: bool | None = None) -> None:
+        """inside: whether the output starts inside the block (None: unknown, the format's default)."""
         self._fmt = fmt
         self._closers = (fmt.end, *fmt.ends_before)
-        self._state = _State.REASONING_LEAD if inside or fmt.always_inside else _State.START
+        starts_inside = fmt.always_inside if inside is None else inside
+        self._state = _State.REASONING_LEAD if starts_inside else _State.START
         self._buf = ""
 
     @property
@@ -166,7 +174,7 @@ class ReasoningSplitter:
         return False
 
 
-def split_reasoning(fmt: ReasoningFormat, text: str, *, inside: bool = False) -> tuple[str, str]:
+def split_reasoning(fmt: ReasoningFormat, text: str, *, inside: bool | None = None) -> tuple[str, str]:
     """The whole text at once (what a non-streaming answer gets)."""
     splitter = ReasoningSplitter(fmt, inside=inside)
     r1, c1 = splitter.feed(text)

@@ -186,6 +186,9 @@ def test_reasoning_is_split_streaming_and_not(engine: CoreEngine, client: openai
 def test_enable_thinking_false_and_templates_that_open_the_block(engine: CoreEngine, client: openai.OpenAI) -> None:
     off = _ask(engine, client, "Just 42.", extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert (off.choices[0].message.reasoning_content, off.choices[0].message.content) == (None, "Just 42.")
+    # The switch turns the parser off: even think tags stay in the content.
+    raw = _ask(engine, client, "<think>a</think>b", extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert raw.choices[0].message.content == "<think>a</think>b"
     opened = _ask(engine, client, "Counting.\n</think>\n\n42.", extra_body={"chat_template_kwargs":
                                                                           {"open_thinking": True}})
     assert (opened.choices[0].message.reasoning_content, opened.choices[0].message.content) == ("Counting.", "42.")

@@ -37,6 +37,10 @@ CASES = [
      "<think>I should call the tool.<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0",
      "I should call the tool.", "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0"),
     ("kimi_k25", "<|im_assistant|>assistant<|im_middle|>", "<think>ok</think>Sure.", "ok", "Sure."),
+    # Kimi thinks by default: an output without the opening tag starts inside; a closed block in the
+    # prompt (thinking off) makes it all content.
+    ("kimi_k25", "<|im_assistant|>assistant<|im_middle|>", "Plan first.</think>Done.", "Plan first.", "Done."),
+    ("kimi_k25", "<|im_middle|><think></think>", "Hi there.", "", "Hi there."),
     ("base", "", "<think>a < b and c</think> d", "a < b and c", "d"),
     # Multibyte text and a marker-like fragment inside the reasoning.
     ("base", "", "<think>héllo </th ink> 世界\n\n</think>\n答案", "héllo </th ink> 世界", "答案"),
@@ -83,7 +87,7 @@ def test_streamed_reasoning_arrives_before_the_block_ends() -> None:
 def test_prompt_tail_detection() -> None:
     fmt = REASONING_FORMATS["qwen3"]
     assert prompt_opens_reasoning(fmt, "<|im_start|>assistant\n<think>\n")
-    assert not prompt_opens_reasoning(fmt, "<|im_start|>assistant\n<think>\n\n</think>\n\n")
-    assert not prompt_opens_reasoning(fmt, "<|im_start|>assistant\n")
+    assert prompt_opens_reasoning(fmt, "<|im_start|>assistant\n<think>\n\n</think>\n\n") is False
+    assert prompt_opens_reasoning(fmt, "<|im_start|>assistant\n") is None
     # An old turn's closed block far back in the prompt does not count.
-    assert not prompt_opens_reasoning(fmt, "<think>" + "x" * 100 + "<|im_start|>assistant\n")
+    assert prompt_opens_reasoning(fmt, "<think>" + "x" * 100 + "<|im_start|>assistant\n") is None

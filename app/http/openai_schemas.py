@@ -132,6 +132,8 @@ class SamplingFields(StrictBody):
     spaces_between_special_tokens: bool | None = None
 
     _top_k = field_validator("top_k")(check_top_k)
+    _stop_shape = field_validator("stop", mode="before")(normalize_stop)
+    _stop = field_validator("stop")(check_stop)
 
     @field_validator("model", mode="before")
     @classmethod
@@ -139,8 +141,6 @@ class SamplingFields(StrictBody):
         if value is None:  # only an absent model means the served one
             raise ValueError("must be a string (leave it out for the served model)")
         return value
-    _stop_shape = field_validator("stop", mode="before")(normalize_stop)
-    _stop = field_validator("stop")(check_stop)
 
     def check_common(self) -> None:
         if self.stream_options is not None and not self.stream:

@@ -7,10 +7,9 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, Literal
 
-import msgpack
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from app.http.body import StrictBody, validate
+from app.http.body import StrictBody, fits_the_wire, validate
 from app.http.errors import APIError, bad_request, unsupported
 from app.http.sampling import (
     LogitBias,
@@ -356,14 +355,7 @@ class ChatBody(SamplingFields):
 
     _tool_choice = field_validator("tool_choice", mode="before")(parse_tool_choice)
 
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _fits_the_wire(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        try:
-            msgpack.packb(value)
-        except (OverflowError, TypeError) as exc:  # JSON integers beyond 64 bits
-            raise ValueError(f"cannot be passed to the chat template: {exc}") from None
-        return value
+    _fits_the_wire = field_validator("chat_template_kwargs")(fits_the_wire)
 
 
 def parse_chat(body: dict[str, Any], vocab_size: int | None) -> tuple[ChatBody, SamplingParams]:

@@ -12,15 +12,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from app.http.body import StrictBody, read_object, validate
+from app.http.body import StrictBody, fits_the_wire, read_object, validate
 from app.http.control import call_engine
 from app.http.errors import bad_request
 from app.http.openai_schemas import ChatMessage, check_model
+from app.http.sampling import check_token_ids
 from app.http.state import server_state
 from app.http.streaming import JSON
 from app.http.tools import ToolDef, check_tools
@@ -35,6 +36,8 @@ class TokenizeBody(StrictBody):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ToolDef] | None = None
     return_token_strs: bool = False
+
+    _fits_the_wire = field_validator("chat_template_kwargs")(fits_the_wire)
 
 
 class DetokenizeBody(StrictBody):
@@ -75,6 +78,9 @@ async def detokenize(request: Request) -> Response:
     check_model(body.model, state.config.model_names())
     batched = bool(body.tokens) and isinstance(body.tokens[0], list)
     lists = body.tokens if batched else [body.tokens]
+    vocab_size = state.client.info.get("vocab_size")
+    for i, ids in enumerate(lists):
+        check_token_ids(ids, vocab_size, f"tokens[{i}]" if batched else "tokens")
     data = await _ask(request, "detokenize", {"tokens": lists, "skip_special_tokens": body.skip_special_tokens})
     text = data["texts"] if batched else data["texts"][0]
     return JSON({"prompt": text, "text": text})

@@ -13,7 +13,7 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 from pydantic import Field, ValidationError, field_validator
 
-from app.http.body import StrictBody
+from app.http.body import StrictBody, fits_the_wire
 from app.http.errors import bad_request
 
 TOOL_CHOICE_MODES = ("none", "auto", "required")
@@ -32,6 +32,7 @@ class FunctionDef(StrictBody):
     def _json_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         if value is None:
             return None
+        fits_the_wire(value)
         try:
             Draft202012Validator.check_schema(value)
         except SchemaError as exc:

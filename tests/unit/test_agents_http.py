@@ -236,8 +236,12 @@ def test_tokenize_and_detokenize(engine: CoreEngine, server: LiveServer) -> None
     text = httpx.post(f"{server.url}/detokenize", json={"tokens": r.json()["tokens"]}, timeout=30).json()
     assert text["prompt"] == text["text"] and '"name": "get_weather"' in text["prompt"]
     assert text["prompt"].endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
-    r = httpx.post(f"{server.url}/detokenize", json={"tokens": [[10**9]]}, timeout=30)
-    assert r.status_code == 400 and "input_ids[0]" in r.json()["error"]["message"]
+    # Ids outside the vocabulary, or beyond 64 bits (they could not cross the wire), are 400s naming them.
+    for tokens, param in (([[10**9]], "tokens[0][0]"), ([2**70], "tokens[0]"), ([-1], "tokens[0]")):
+        r = httpx.post(f"{server.url}/detokenize", json={"tokens": tokens}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = httpx.post(f"{server.url}/tokenize", json={"prompt": "x", "chat_template_kwargs": {"a": 2**70}}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
 
 
 @pytest.mark.parametrize(("patch", "param", "fragment"), [
@@ -250,6 +254,8 @@ def test_tokenize_and_detokenize(engine: CoreEngine, server: LiveServer) -> None
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
      "tool_choice", "constrained decoding"),
     ({"tools": [WEATHER, WEATHER]}, "tools", "two tools are named"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"maximum": 2**70}}}]},
+     "tools[0].function.parameters", "cannot be passed"),
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name", ""),
     ({"stream": True, "stream_options": {"continuous_usage_stat": True}},
      "stream_options.continuous_usage_stat", "unknown parameter"),

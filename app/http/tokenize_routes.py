@@ -20,6 +20,7 @@ from starlette.routing import Route
 from app.http.body import StrictBody, fits_the_wire, read_object, validate
 from app.http.control import call_engine
 from app.http.errors import bad_request
+from app.http.limits import check_text_length, check_text_prompts
 from app.http.openai_schemas import ChatMessage, check_model
 from app.http.sampling import check_token_ids
 from app.http.state import server_state
@@ -53,6 +54,14 @@ async def tokenize(request: Request) -> Response:
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("send exactly one of 'prompt' and 'messages'", param="prompt")
     check_tools(body.tools, None)
+    # What could never fit the context is refused before it occupies the tokenizer process.
+    info = state.client.info
+    if body.messages is not None:
+        check_text_length(sum(len(m.content or "") for m in body.messages), info, "messages")
+    else:
+        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt or []
+        check_text_prompts(((f"prompt[{i}]" if isinstance(body.prompt, list) else "prompt", p)
+                            for i, p in enumerate(prompts)), info)
     args: dict[str, Any] = {"return_token_strs": body.return_token_strs}
     if body.messages is not None:
         args.update(messages=[m.to_engine() for m in body.messages], add_generation_prompt=body.add_generation_prompt,

@@ -304,3 +304,15 @@ def test_unbuilt_extensions_are_refused_by_name(server: LiveServer, patch: dict,
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **patch}
     r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_tokenize_refuses_text_that_cannot_fit_the_context(engine: CoreEngine) -> None:
+    from tests.unit.test_http_fakes import INFO
+
+    with LiveServer(CoreEngine(engine.tokenizer)) as live:
+        live.engine.become_ready({**INFO, "max_token_chars": 4})  # 2048 tokens of <= 4 characters
+        r = httpx.post(f"{live.url}/tokenize", json={"prompt": ["ok", "x" * 9000]}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt[1]", r.text
+        r = httpx.post(f"{live.url}/tokenize", json={"messages": [{"role": "user", "content": "x" * 9000}]},
+                       timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text

@@ -71,6 +71,10 @@ class GenerateRequest:
     stream: bool = False
     arrival_time: float = 0.0  # time.time() at the HTTP front
     return_prompt_ids: bool = False  # echo / prompt logprobs need the prompt ids back
+    tools: list[dict[str, Any]] = field(default_factory=list)  # chat: OpenAI tool definitions, for the template
+    parse_tool_calls: bool = False  # chat: run --tool-call-parser over the answer
+    parallel_tool_calls: bool = True  # False: only the first call is kept
+    separate_reasoning: bool = False  # chat: run --reasoning-parser over the answer
 
 
 @dataclass(slots=True)
@@ -229,6 +233,17 @@ class TextDelta:
     error_code: int = 0
     prompt_ids: list[int] = field(default_factory=list)  # set on the first delta if asked
     prompt_text: str | None = None  # likewise (echo needs the text of token-id prompts)
+    reasoning_text: str = ""  # new reasoning since the last delta (--reasoning-parser); text is the answer
+    tool_calls: list[ToolCall] = field(default_factory=list)  # calls completed since the last delta
+
+
+@dataclass(slots=True)
+class ToolCall:
+    """A tool call parsed from the answer (--tool-call-parser); arguments is a JSON object's text."""
+
+    id: str
+    name: str
+    arguments: str
 
 
 @dataclass(slots=True)
@@ -339,7 +354,8 @@ MESSAGE_TYPES: list[type] = [
     EngineReady,
     Shutdown,
     StartupPhase,
-    EngineInfo,  # appended: the tags above are the wire contract
+    EngineInfo,
+    ToolCall,  # appended: the tags above are the wire contract
 ]
 _TAG_OF: dict[type, int] = {cls: i for i, cls in enumerate(MESSAGE_TYPES)}
 _FIELDS: dict[type, tuple[str, ...]] = {

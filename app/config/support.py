@@ -16,6 +16,8 @@ from typing import Any
 from app.config.errors import Problem
 from app.config.names import flag_of
 from app.metrics.kv_events import kv_events_config_problem
+from app.tokenizer.reasoning import REASONING_FORMATS
+from app.tokenizer.tool_parsers import TOOL_FORMATS
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,6 @@ _COMM_FUSION = "fused all-reduce + norm kernels are not built yet (tensor parall
 _SPEC = "speculative decoding is not built yet"
 _KVSTORE = "this build has no host KV store (--disable-kvstore is the only mode)"
 _DISAGG = "prefill/decode disaggregation is not built yet"
-_PARSERS = "reasoning and tool-call parsing are not built yet"
 
 RULES: tuple[Rule, ...] = (
     # Model loading and precision.
@@ -91,7 +92,10 @@ RULES: tuple[Rule, ...] = (
     only("deepep_mode", "auto", why=_EP),
     only("dp_sampling", False, why="data-parallel sampling is not built yet"),
     # Reasoning and tools.
-    *_all(["reasoning_parser", "tool_call_parser"], None, _PARSERS),
+    only("reasoning_parser", None, *REASONING_FORMATS,
+         why="this build parses the reasoning formats of these families (docs/api.md)"),
+    only("tool_call_parser", None, *TOOL_FORMATS,
+         why="this build parses the tool-call formats of these families (docs/api.md)"),
     only("enable_custom_logit_processor", False, why="custom logit processors are not built yet"),
     # Speculative decoding: the defaults (3 steps, steps + 1 draft tokens) are harmless while it is off.
     *_all(["speculative_config", "speculative_algorithm", "speculative_draft_model_path",

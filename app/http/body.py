@@ -7,6 +7,7 @@ import math
 import re
 from typing import Any, TypeVar
 
+import msgpack
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
@@ -21,6 +22,16 @@ class StrictBody(BaseModel):
     """Request bodies: unknown fields and loose types (\"1\" for 1, 1 for true) are errors."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def fits_the_wire(value: Any) -> Any:
+    """A field validator: what the chat template gets must be msgpack-encodable (no JSON integer
+    beyond 64 bits), or the request would fail on its way to the tokenizer."""
+    try:
+        msgpack.packb(value)
+    except (OverflowError, TypeError) as exc:
+        raise ValueError(f"cannot be passed to the chat template: {exc}") from None
+    return value
 
 
 def _reject_constant(name: str) -> Any:

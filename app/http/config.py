@@ -39,6 +39,8 @@ class HttpConfig:
     worker_heartbeat_timeout: float = 600.0
     data_parallel_size: int = 1  # replicas, each with its own --max-num-seqs and --max-queued-requests
     allow_remote_admin: bool = False  # --allow-remote-admin: control routes open on a public bind
+    reasoning_parser: str | None = None  # --reasoning-parser: chat answers carry reasoning_content
+    tool_call_parser: str | None = None  # --tool-call-parser: chat answers carry tool_calls
 
     @property
     def capacity(self) -> int:
@@ -70,6 +72,8 @@ class HttpConfig:
             enable_metrics=bool(getattr(settings, "enable_metrics", False))
             and "prometheus" in getattr(settings, "metrics_reporters", ["prometheus"]),
             admin_api_key=_secret(settings, "admin_api_key"),
+            reasoning_parser=getattr(settings, "reasoning_parser", None),
+            tool_call_parser=getattr(settings, "tool_call_parser", None),
             **{name: kind(getattr(settings, name, _DEFAULTS[name])) for name, kind in _RELIABILITY.items()},
         )
 

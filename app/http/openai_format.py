@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.http.openai_schemas import Prompt
-from app.protocol import TextDelta
+from app.protocol import FINISH_STOP, TextDelta, ToolCall
 
 
 @dataclass(frozen=True)
@@ -106,18 +106,31 @@ def completion_response(meta: ResponseMeta, finals: list[TextDelta], prompts: li
 
 
 class _StreamBase:
-    def __init__(self, meta: ResponseMeta, size: int, include_usage: bool) -> None:
+    def __init__(self, meta: ResponseMeta, size: int, include_usage: bool, continuous_usage: bool = False) -> None:
+        """continuous_usage (vLLM's stream_options.continuous_usage_stats): every chunk carries the usage so far."""
         self.meta = meta
         self.include_usage = include_usage
+        self.continuous_usage = continuous_usage
         self.finals: list[TextDelta | None] = [None] * size
+        self.latest: list[TextDelta | None] = [None] * size
 
     def chunk(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         out = {**self.meta.head(obj), "choices": choices}
-        if self.include_usage:
+        if self.continuous_usage:
+            out["usage"] = self._usage_so_far()
+        elif self.include_usage:
             out["usage"] = None
         return out
 
+    def _usage_so_far(self) -> dict[str, Any]:
+        """Counts are cumulative per choice; a choice not heard from yet counts nothing."""
+        seen = [d for d in self.latest if d is not None]
+        prompt = sum(d.prompt_tokens for i, d in enumerate(self.latest) if d is not None and i % self.meta.n == 0)
+        completion = sum(d.completion_tokens for d in seen)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
     def note(self, index: int, delta: TextDelta) -> None:
+        self.latest[index] = delta
         if delta.finish_reason is not None:
             self.finals[index] = delta  # counts are cumulative: the last delta has the totals
 
@@ -132,9 +145,9 @@ class CompletionStream(_StreamBase):
     OBJECT = "text_completion"
 
     def __init__(self, meta: ResponseMeta, prompts: list[Prompt], echo: bool, logprobs: int | None,
-                 include_usage: bool) -> None:
+                 include_usage: bool, *, continuous_usage: bool = False) -> None:
         size = len(prompts) * meta.n
-        super().__init__(meta, size, include_usage)
+        super().__init__(meta, size, include_usage, continuous_usage)
         self.prompts = prompts
         self.echo = echo
         self.logprobs = logprobs
@@ -166,21 +179,41 @@ class CompletionStream(_StreamBase):
 # ---------------------------------------------------------------- chat
 
 
-def chat_response(meta: ResponseMeta, finals: list[TextDelta], top_logprobs: int | None) -> dict[str, Any]:
+def chat_finish_reason(reason: str | None, called: bool) -> str | None:
+    """An answer that ended by itself after calling tools finished for "tool_calls" (a length cut stays)."""
+    return "tool_calls" if called and reason == FINISH_STOP else reason
+
+
+def _tool_call(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def chat_response(meta: ResponseMeta, finals: list[TextDelta], top_logprobs: int | None, *,
+                  reasoning: bool = False) -> dict[str, Any]:
+    """reasoning: --reasoning-parser ran, so the message carries reasoning_content (null when none)."""
     choices = []
     for i, delta in enumerate(finals):
         lp = chat_logprobs(delta, top_logprobs) if top_logprobs is not None else None
-        choices.append({"index": i, "message": {"role": "assistant", "content": delta.text},
-                        "logprobs": lp, "finish_reason": delta.finish_reason})
+        message: dict[str, Any] = {"role": "assistant", "content": delta.text}
+        if reasoning:
+            message["reasoning_content"] = delta.reasoning_text or None
+        if delta.tool_calls:
+            message["content"] = delta.text or None  # OpenAI: null content beside calls
+            message["tool_calls"] = [_tool_call(c) for c in delta.tool_calls]
+        choices.append({"index": i, "message": message, "logprobs": lp,
+                        "finish_reason": chat_finish_reason(delta.finish_reason, bool(delta.tool_calls))})
     return {**meta.head("chat.completion"), "choices": choices, "usage": usage(meta, finals)}
 
 
 class ChatStream(_StreamBase):
     OBJECT = "chat.completion.chunk"
 
-    def __init__(self, meta: ResponseMeta, top_logprobs: int | None, include_usage: bool) -> None:
-        super().__init__(meta, meta.n, include_usage)
+    def __init__(self, meta: ResponseMeta, top_logprobs: int | None, include_usage: bool, *,
+                 reasoning: bool = False, continuous_usage: bool = False) -> None:
+        super().__init__(meta, meta.n, include_usage, continuous_usage)
         self.top_logprobs = top_logprobs
+        self.reasoning = reasoning
+        self.num_calls = [0] * meta.n  # tool calls sent so far, per choice: the next call's index
 
     def opening(self) -> list[dict[str, Any]]:
         return [self.chunk(self.OBJECT, [{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -188,13 +221,32 @@ class ChatStream(_StreamBase):
                 for i in range(self.meta.n)]
 
     def on_delta(self, index: int, delta: TextDelta) -> list[dict[str, Any]]:
+        """Reasoning and content first, then each call as OpenAI streams one: a delta with its index,
+        id and name, then one with its arguments; the finish reason rides on the last chunk."""
         self.note(index, delta)
-        if not delta.text and not delta.logprobs and delta.finish_reason is None:
+        bodies: list[dict[str, Any]] = []
+        if delta.reasoning_text:
+            bodies.append({"reasoning_content": delta.reasoning_text})
+        if delta.text:
+            bodies.append({"content": delta.text})
+        for call in delta.tool_calls:
+            k = self.num_calls[index]
+            self.num_calls[index] += 1
+            bodies.append({"tool_calls": [{"index": k, "id": call.id, "type": "function",
+                                           "function": {"name": call.name, "arguments": ""}}]})
+            bodies.append({"tool_calls": [{"index": k, "function": {"arguments": call.arguments}}]})
+        if not bodies and not delta.logprobs and delta.finish_reason is None:
             return []
+        bodies = bodies or [{}]
         lp = chat_logprobs(delta, self.top_logprobs) if self.top_logprobs is not None else None
-        body = {"content": delta.text} if delta.text else {}
-        choice = {"index": index, "delta": body, "logprobs": lp, "finish_reason": delta.finish_reason}
-        return [self.chunk(self.OBJECT, [choice])]
+        finish = chat_finish_reason(delta.finish_reason, self.num_calls[index] > 0)
+        chunks = []
+        for j, body in enumerate(bodies):
+            last = j == len(bodies) - 1
+            choice = {"index": index, "delta": body, "logprobs": lp if j == 0 else None,
+                      "finish_reason": finish if last else None}
+            chunks.append(self.chunk(self.OBJECT, [choice]))
+        return chunks
 
     def closing(self) -> list[dict[str, Any]]:
         return self.usage_chunk(self.OBJECT)

@@ -19,7 +19,15 @@ from app.http.openai_format import (
     chat_response,
     completion_response,
 )
-from app.http.openai_schemas import Prompt, check_model, parse_chat, parse_completion, with_seed
+from app.http.openai_schemas import (
+    Prompt,
+    check_model,
+    engine_template_fields,
+    engine_tool_fields,
+    parse_chat,
+    parse_completion,
+    with_seed,
+)
 from app.http.runner import run_stream, run_whole
 from app.http.sampling import per_sample_seed
 from app.http.state import ServerState, server_state
@@ -82,7 +90,8 @@ async def completions(request: Request) -> Response:
     state.request_log.received(rid, "/v1/completions", prompts, sampling,
                                {"n": meta.n, "echo": body.echo, "stream": stream, "user": body.user})
     if stream:
-        formatter = CompletionStream(meta, prompts, bool(body.echo), body.logprobs, body.include_usage)
+        formatter = CompletionStream(meta, prompts, bool(body.echo), body.logprobs, body.include_usage,
+                                     continuous_usage=body.continuous_usage)
         return await run_stream(request, state, rid, requests, formatter)
     finals = await run_whole(request, state, rid, requests)
     return JSON(completion_response(meta, finals, prompts, bool(body.echo), body.logprobs))
@@ -93,21 +102,27 @@ async def chat_completions(request: Request) -> Response:
     state.check_admission()
     body, sampling = parse_chat(await read_object(request), state.client.engine.vocab_size or None)
     check_model(body.model, state.config.model_names())
-    check_text_length(sum(len(m.content) for m in body.messages), state.client.engine, "messages")
+    check_text_length(sum(len(m.content or "") for m in body.messages), state.client.engine, "messages")
+    cfg = state.config
+    tool_fields = engine_tool_fields(body, cfg.tool_call_parser, cfg.reasoning_parser)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     meta = _meta(state, rid, body.n or 1)
     messages = [m.to_engine() for m in body.messages]
     stream = bool(body.stream)
     requests = fan_out(rid, meta.n, sampling, [{"messages": messages}], stream=stream,
-                       chat_template_kwargs=dict(body.chat_template_kwargs or {}))
+                       **engine_template_fields(body), **tool_fields)
     state.request_log.received(rid, "/v1/chat/completions", [messages], sampling,
                                {"n": meta.n, "stream": stream, "user": body.user,
-                                "chat_template_kwargs": body.chat_template_kwargs})
+                                "chat_template_kwargs": body.chat_template_kwargs,
+                                "tools": [t["function"]["name"] for t in tool_fields["tools"]] or None})
     top_logprobs = sampling.top_logprobs if sampling.logprobs else None
+    reasoning = tool_fields["separate_reasoning"] and body.include_reasoning is not False
     if stream:
-        return await run_stream(request, state, rid, requests, ChatStream(meta, top_logprobs, body.include_usage))
+        formatter = ChatStream(meta, top_logprobs, body.include_usage, reasoning=reasoning,
+                               continuous_usage=body.continuous_usage)
+        return await run_stream(request, state, rid, requests, formatter)
     finals = await run_whole(request, state, rid, requests)
-    return JSON(chat_response(meta, finals, top_logprobs))
+    return JSON(chat_response(meta, finals, top_logprobs, reasoning=reasoning))
 
 
 ROUTES = [

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
-import msgpack
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from app.http.body import StrictBody, validate
+from app.http.body import StrictBody, fits_the_wire, validate
 from app.http.errors import APIError, bad_request, unsupported
 from app.http.sampling import (
     LogitBias,
@@ -32,6 +31,7 @@ from app.http.sampling import (
     logit_bias_ids,
     normalize_stop,
 )
+from app.http.tools import NamedToolChoice, ToolDef, check_tools, parse_tool_choice
 from app.protocol import SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
@@ -41,11 +41,8 @@ _NOT_BUILT_COMPLETIONS: dict[str, Callable[[Any], bool]] = {
     "suffix": lambda v: v in (None, ""),
 }
 _NOT_BUILT_CHAT: dict[str, Callable[[Any], bool]] = {
-    "tools": lambda v: v in (None, []),
-    "tool_choice": lambda v: v in (None, "none"),
     "functions": lambda v: v in (None, []),
     "function_call": lambda v: v in (None, "none"),
-    "parallel_tool_calls": lambda v: v is None,
     "response_format": lambda v: v is None or v == {"type": "text"},
     "audio": lambda v: v is None,
     "modalities": lambda v: v in (None, ["text"]),
@@ -64,6 +61,35 @@ _NOT_BUILT_CHAT: dict[str, Callable[[Any], bool]] = {
 }
 
 
+# vLLM's and SGLang's request extensions that are not built, with their "not used" values; the ones that
+# are built are fields below (top_k, min_p, ..., include_stop_str_in_output, continue_final_message).
+_NOT_BUILT_EXTENSIONS: dict[str, Callable[[Any], bool]] = {
+    "use_beam_search": lambda v: v in (None, False),
+    "length_penalty": lambda v: v in (None, 1, 1.0),
+    "priority": lambda v: v in (None, 0),
+    "truncate_prompt_tokens": lambda v: v is None,
+    "return_tokens_as_token_ids": lambda v: v in (None, False),
+    "return_token_ids": lambda v: v in (None, False),
+    "allowed_token_ids": lambda v: v is None,
+    "bad_words": lambda v: v in (None, []),
+    "request_id": lambda v: v is None,
+    "cache_salt": lambda v: v is None,
+    "kv_transfer_params": lambda v: v is None,
+    "vllm_xargs": lambda v: v is None,
+    "lora_path": lambda v: v is None,
+    "return_hidden_states": lambda v: v in (None, False),
+    "mm_processor_kwargs": lambda v: v in (None, {}),
+}
+_NOT_BUILT_CHAT_EXTENSIONS: dict[str, Callable[[Any], bool]] = {
+    "documents": lambda v: v in (None, []),
+    "chat_template": lambda v: v is None,  # the server's --chat-template or the model's own applies
+    "stream_reasoning": lambda v: v in (None, True),
+}
+_NOT_BUILT_COMPLETIONS.update(_NOT_BUILT_EXTENSIONS)
+_NOT_BUILT_CHAT.update(_NOT_BUILT_EXTENSIONS)
+_NOT_BUILT_CHAT.update(_NOT_BUILT_CHAT_EXTENSIONS)
+
+
 def drop_not_built(body: dict[str, Any], not_built: dict[str, Callable[[Any], bool]]) -> dict[str, Any]:
     """Refuse a parameter we do not build unless its value means 'not used'; drop it then."""
     for name, unused in not_built.items():
@@ -74,12 +100,13 @@ def drop_not_built(body: dict[str, Any], not_built: dict[str, Callable[[Any], bo
 
 class StreamOptions(StrictBody):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM: usage in every chunk, not only in a last one
 
 
 class SamplingFields(StrictBody):
     """What completions and chat share."""
 
-    model: str
+    model: str | None = None  # absent: the served model (as vLLM answers)
     max_tokens: MaxTokens | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
@@ -99,10 +126,20 @@ class SamplingFields(StrictBody):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted as OpenAI does (end-user id); shown in request logs only
+    include_stop_str_in_output: bool | None = None  # vLLM's name for keeping the matched stop string
+    no_stop_trim: bool | None = None  # SGLang's
+    spaces_between_special_tokens: bool | None = None
 
     _top_k = field_validator("top_k")(check_top_k)
     _stop_shape = field_validator("stop", mode="before")(normalize_stop)
     _stop = field_validator("stop")(check_stop)
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _model_or_absent(cls, value: Any) -> Any:
+        if value is None:  # only an absent model means the served one
+            raise ValueError("must be a string (leave it out for the served model)")
+        return value
 
     def check_common(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -111,6 +148,10 @@ class SamplingFields(StrictBody):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def sampling(self, vocab_size: int | None, max_tokens: int | None, top_logprobs: int | None) -> SamplingParams:
         """top_logprobs None: no logprobs; k >= 0: the sampled token's logprob and k alternatives."""
@@ -135,6 +176,8 @@ class SamplingFields(StrictBody):
             ignore_eos=_or(self.ignore_eos, False),
             min_new_tokens=_or(self.min_tokens, 0),
             skip_special_tokens=_or(self.skip_special_tokens, True),
+            spaces_between_special_tokens=_or(self.spaces_between_special_tokens, True),
+            no_stop_trim=bool(self.include_stop_str_in_output or self.no_stop_trim),
             logprobs=top_logprobs is not None,
             top_logprobs=top_logprobs or 0,
         )
@@ -208,17 +251,30 @@ def parse_completion(body: dict[str, Any], vocab_size: int | None) -> tuple[Comp
 
 # ---------------------------------------------------------------- chat
 
-_CHAT_ROLES = ("system", "developer", "user", "assistant")
-_TOOL_ROLES = ("tool", "function")
+_CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class CalledFunction(StrictBody):
+    name: str
+    arguments: str
+
+
+class AssistantToolCall(StrictBody):
+    """A call an earlier answer made, sent back in the conversation."""
+
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
 
 
 class ChatMessage(StrictBody):
     role: str
-    content: Any = Field(default=...)
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant turn's calls (before content: it reads them)
+    content: Any = Field(default=None, validate_default=True)
     name: str | None = None
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    reasoning_content: str | None = None  # an earlier answer's reasoning, copied back: templates may use it
     # Fields clients copy back from earlier responses; only their empty values are accepted.
-    tool_calls: Any = None
-    tool_call_id: Any = None
     function_call: Any = None
     refusal: Any = None
     audio: Any = None
@@ -227,19 +283,22 @@ class ChatMessage(StrictBody):
     @field_validator("role")
     @classmethod
     def _role(cls, value: str) -> str:
-        if value in _TOOL_ROLES:
-            raise ValueError(f"role '{value}' is not supported: tool calling is not built")
+        if value == "function":
+            raise ValueError("role 'function' (OpenAI's deprecated function calling) is not supported: "
+                             "use role 'tool'")
         if value not in _CHAT_ROLES:
             raise ValueError(f"must be one of {', '.join(_CHAT_ROLES)}")
         return value
 
     @field_validator("content")
     @classmethod
-    def _content(cls, value: Any) -> str:
+    def _content(cls, value: Any, info: ValidationInfo) -> str | None:
+        if value is None:
+            if info.data.get("role") == "assistant" and info.data.get("tool_calls"):
+                return None
+            raise ValueError("a message needs content (only an assistant turn with tool_calls may omit it)")
         if isinstance(value, str):
             return value
-        if value is None:
-            raise ValueError("a message needs content")
         if not isinstance(value, list):
             raise ValueError("must be a string or a list of content parts")
         texts = []
@@ -252,17 +311,31 @@ class ChatMessage(StrictBody):
             texts.append(part["text"])
         return "\n".join(texts)
 
-    @field_validator("tool_calls", "tool_call_id", "function_call", "refusal", "audio", "annotations")
+    @field_validator("function_call", "refusal", "audio", "annotations")
     @classmethod
     def _unused(cls, value: Any) -> Any:
         if value not in (None, []):
-            raise ValueError("is not supported by this server (tool calling, audio and refusals are not built)")
+            raise ValueError("is not supported by this server (function_call: use tool_calls; audio and "
+                             "refusals are not built)")
         return None
 
+    @model_validator(mode="after")
+    def _tool_fields_fit_the_role(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message may carry tool_calls")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("only a tool message may carry tool_call_id")
+        return self
+
     def to_engine(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"role": self.role, "content": self.content}
-        if self.name is not None:
-            out["name"] = self.name
+        """The message as chat templates read it (transformers' conventions)."""
+        # A call-only turn's null content goes as "": templates that concatenate content would fail on null.
+        out: dict[str, Any] = {"role": self.role, "content": self.content if self.content is not None else ""}
+        for name in ("name", "tool_call_id", "reasoning_content"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        if self.tool_calls:
+            out["tool_calls"] = [call.model_dump() for call in self.tool_calls]
         return out
 
 
@@ -272,15 +345,17 @@ class ChatBody(SamplingFields):
     logprobs: bool | None = None
     top_logprobs: NumLogprobs | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Any = None  # ToolChoice, checked by parse_tool_choice
+    parallel_tool_calls: bool | None = None
+    separate_reasoning: bool | None = None  # SGLang: false keeps the reasoning inside content
+    include_reasoning: bool | None = None  # vLLM: false drops the reasoning (content is the answer only)
+    add_generation_prompt: bool | None = None  # vLLM: false renders no assistant header
+    continue_final_message: bool | None = None  # vLLM: the answer continues the last (assistant) message
 
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _fits_the_wire(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        try:
-            msgpack.packb(value)
-        except (OverflowError, TypeError) as exc:  # JSON integers beyond 64 bits
-            raise ValueError(f"cannot be passed to the chat template: {exc}") from None
-        return value
+    _tool_choice = field_validator("tool_choice", mode="before")(parse_tool_choice)
+
+    _fits_the_wire = field_validator("chat_template_kwargs")(fits_the_wire)
 
 
 def parse_chat(body: dict[str, Any], vocab_size: int | None) -> tuple[ChatBody, SamplingParams]:
@@ -288,13 +363,41 @@ def parse_chat(body: dict[str, Any], vocab_size: int | None) -> tuple[ChatBody, 
     parsed.check_common()
     if parsed.top_logprobs is not None and not parsed.logprobs:
         raise bad_request("'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")
+    check_tools(parsed.tools, parsed.tool_choice)
+    if parsed.tool_choice == "required" or isinstance(parsed.tool_choice, NamedToolChoice):
+        # app.http.tools.forced_call_schema is the constraint; decoding cannot be constrained yet.
+        raise unsupported("tool_choice", "'required' and a named function need constrained decoding, which is "
+                          "not built yet; use 'auto' or 'none'")
+    if parsed.continue_final_message and parsed.add_generation_prompt:
+        raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true",
+                          param="continue_final_message")
     top = (parsed.top_logprobs or 0) if parsed.logprobs else None
     max_tokens = parsed.max_completion_tokens if parsed.max_completion_tokens is not None else parsed.max_tokens
     return parsed, parsed.sampling(vocab_size, max_tokens, top)
 
 
-def check_model(model: str, names: tuple[str, ...]) -> None:
-    if model not in names:
+def engine_tool_fields(body: ChatBody, tool_call_parser: str | None, reasoning_parser: str | None) -> dict[str, Any]:
+    """The GenerateRequest fields that carry the request's tools and which parsers run over the answer."""
+    tools = [t.to_engine() for t in body.tools or []]
+    parse = bool(tools) and body.tool_choice != "none"
+    if parse and tool_call_parser is None:
+        raise bad_request("'tools' need a tool-call parser: start the server with --tool-call-parser (or send "
+                          "tool_choice 'none' to only show the tools to the model)", param="tools")
+    return {"tools": tools, "parse_tool_calls": parse, "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "separate_reasoning": reasoning_parser is not None and body.separate_reasoning is not False}
+
+
+def engine_template_fields(body: ChatBody) -> dict[str, Any]:
+    """How the chat template renders: kwargs, the generation prompt, continuing the final message."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    if body.continue_final_message:
+        kwargs["continue_final_message"] = True  # apply_chat_template's own argument
+    generation_prompt = not body.continue_final_message and body.add_generation_prompt is not False
+    return {"chat_template_kwargs": kwargs, "add_generation_prompt": generation_prompt}
+
+
+def check_model(model: str | None, names: tuple[str, ...]) -> None:
+    if model is not None and model not in names:
         raise APIError(404, f"The model '{model}' does not exist; this server serves '{names[0]}'",
                        param="model", code="model_not_found")
 

@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from app.http import control, native, openai_schemas, rl_control
+from app.http import control, native, openai_schemas, rl_control, tokenize_routes
 from app.http.auth import ADMIN, API, OPEN
 from app.http.body import StrictBody
 from app.http.config import HttpConfig
@@ -30,6 +30,7 @@ from app.http.errors import error_type
 from app.http.sampling import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from app.http.state import server_state
 from app.http.streaming import JSON
+from app.http.tools import TOOL_CHOICE_SCHEMA
 
 DISTRIBUTION = "tokenspeed-appliance"
 REF = "#/components/schemas/{model}"
@@ -71,6 +72,12 @@ ROUTE_DOCS: dict[tuple[str, str], RouteDoc] = {
                                           streams=True, engine=True, errors=(404,)),
     ("POST", "/v1/chat/completions"): RouteDoc("OpenAI chat completions", API, "openai", openai_schemas.ChatBody,
                                                streams=True, engine=True, errors=(404,)),
+    **{("POST", f"{prefix}/tokenize"): RouteDoc("Text or chat messages -> token ids (vLLM's and SGLang's shape)",
+                                                API, "native", tokenize_routes.TokenizeBody, engine=True,
+                                                errors=(404,)) for prefix in ("", "/v1")},
+    **{("POST", f"{prefix}/detokenize"): RouteDoc("Token ids -> text (vLLM's and SGLang's shape)", API, "native",
+                                                  tokenize_routes.DetokenizeBody, engine=True, errors=(404,))
+       for prefix in ("", "/v1")},
     ("POST", "/generate"): RouteDoc("SGLang's native generation (text or token ids, single or batch)", API,
                                     "native", native.GenerateBody, streams=True, engine=True),
     ("GET", "/get_model_info"): RouteDoc("Model path, context length, vocabulary, weight version", API, "info"),
@@ -118,15 +125,15 @@ SCHEMA_OVERRIDES: dict[str, dict[str, dict[str, Any]]] = {
         "prompt": {"anyOf": [_TEXT, _IDS, {"type": "array", "minItems": 1, "items": {"anyOf": [_TEXT, _IDS]}}]},
         "stop": _STOP,
     },
-    "ChatBody": {"stop": _STOP},
+    "ChatBody": {"stop": _STOP, "tool_choice": TOOL_CHOICE_SCHEMA},
     "NativeSampling": {"stop": _STOP, "n": {"anyOf": [{"const": 1}, {"type": "null"}]}},
     "ChatMessage": {
-        "role": {"enum": ["system", "developer", "user", "assistant"]},
-        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": {
-            "type": "object", "additionalProperties": False, "required": ["type", "text"],
-            "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]},
-        **{name: _UNUSED for name in ("tool_calls", "tool_call_id", "function_call", "refusal", "audio",
-                                      "annotations")},
+        "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
+        "content": {"description": "null only in an assistant turn with tool_calls", "anyOf": [
+            {"type": "string"}, {"type": "null"}, {"type": "array", "items": {
+                "type": "object", "additionalProperties": False, "required": ["type", "text"],
+                "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]},
+        **{name: _UNUSED for name in ("function_call", "refusal", "audio", "annotations")},
     },
     "GenerateBody": {
         "text": {"anyOf": [_TEXT, {"type": "array", "minItems": 1, "items": _TEXT}, {"type": "null"}]},
@@ -146,12 +153,18 @@ SCHEMA_OVERRIDES: dict[str, dict[str, dict[str, Any]]] = {
 # OpenAI parameters this server does not build: accepted only with a value that means "not used"
 # (app.http.openai_schemas refuses any other value by name).
 NOT_BUILT_VALUES: dict[str, list[Any]] = {
-    "suffix": [None, ""], "tools": [None, []], "tool_choice": [None, "none"], "functions": [None, []],
-    "function_call": [None, "none"], "parallel_tool_calls": [None], "response_format": [None, {"type": "text"}],
+    "suffix": [None, ""], "functions": [None, []],
+    "function_call": [None, "none"], "response_format": [None, {"type": "text"}],
     "audio": [None], "modalities": [None, ["text"]], "prediction": [None], "reasoning_effort": [None],
     "service_tier": [None, "auto", "default"], "store": [None, False], "metadata": [None],
     "web_search_options": [None], "prompt_cache_key": [None], "prompt_cache_options": [None],
     "prompt_cache_retention": [None], "moderation": [None], "safety_identifier": [None], "verbosity": [None],
+    # vLLM's and SGLang's extensions that are not built.
+    "use_beam_search": [None, False], "length_penalty": [None, 1.0], "priority": [None, 0],
+    "truncate_prompt_tokens": [None], "return_tokens_as_token_ids": [None, False], "return_token_ids": [None, False],
+    "allowed_token_ids": [None], "bad_words": [None, []], "request_id": [None], "cache_salt": [None],
+    "kv_transfer_params": [None], "vllm_xargs": [None], "lora_path": [None], "return_hidden_states": [None, False],
+    "mm_processor_kwargs": [None, {}], "documents": [None, []], "chat_template": [None], "stream_reasoning": [None, True],
 }
 NOT_BUILT_OF = {"CompletionBody": openai_schemas._NOT_BUILT_COMPLETIONS, "ChatBody": openai_schemas._NOT_BUILT_CHAT}
 # Models a body refers to through an override (its field is typed loosely and validated by hand).

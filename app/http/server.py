@@ -28,7 +28,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute
 
 from app import ipc
-from app.http import control, health, native, openai_routes, openapi, rl_control
+from app.http import control, health, native, openai_routes, openapi, rl_control, tokenize_routes
 from app.http.auth import ADMIN, ApiKeyMiddleware
 from app.http.config import HttpConfig, is_loopback
 from app.http.engine_client import BaseEngineClient, EngineClient
@@ -79,7 +79,8 @@ def build_app(
     the engine client; `app.state.http` is the ServerState (drain control, in-flight count)."""
     config = HttpConfig.from_settings(settings)
     state = ServerState(config, client, health_generate_timeout)
-    routes = [*health.ROUTES, *openai_routes.ROUTES, *native.ROUTES, *control.ROUTES, *rl_control.ROUTES,
+    routes = [*health.ROUTES, *openai_routes.ROUTES, *tokenize_routes.ROUTES, *native.ROUTES, *control.ROUTES,
+              *rl_control.ROUTES,
               *openapi.ROUTES, *extra_routes]
     open_paths = health.OPEN_PATHS
     if config.enable_metrics:  # scrapers carry no key; without --enable-metrics /metrics is a 404

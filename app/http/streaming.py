@@ -104,12 +104,15 @@ def copy_delta(delta: TextDelta) -> TextDelta:
     return dataclasses.replace(
         delta, token_ids=list(delta.token_ids), logprobs=list(delta.logprobs),
         token_texts=list(delta.token_texts), top_token_texts=list(delta.top_token_texts),
+        tool_calls=list(delta.tool_calls),
     )
 
 
 def absorb(acc: TextDelta, delta: TextDelta) -> None:
     """Append delta's output to acc; counts and the finish state are the latest ones."""
     acc.text += delta.text
+    acc.reasoning_text += delta.reasoning_text
+    acc.tool_calls.extend(delta.tool_calls)
     acc.token_ids.extend(delta.token_ids)
     acc.logprobs.extend(delta.logprobs)
     acc.token_texts.extend(delta.token_texts)

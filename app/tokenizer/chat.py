@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ from app.tokenizer.templates import BUILTIN_CHAT_TEMPLATES
 # set here (or change the return type away from a rendered string).
 _RESERVED_KWARGS = frozenset({
     "conversation", "chat_template", "add_generation_prompt", "tokenize", "return_dict", "return_tensors",
-    "padding", "truncation", "max_length", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "padding", "truncation", "max_length", "return_assistant_tokens_mask", "tokenizer_kwargs", "tools",
 })
 
 
@@ -56,7 +57,25 @@ def _normalize_message(index: int, message: Any) -> dict[str, Any]:
         out["content"] = "\n".join(_text_of_part(index, j, part) for j, part in enumerate(content))
     elif content is not None and not isinstance(content, str):
         raise ChatTemplateError(f"messages[{index}].content must be a string or a list of text parts")
+    if isinstance(message.get("tool_calls"), list):
+        out["tool_calls"] = [_template_call(call) for call in message["tool_calls"]]
     return out
+
+
+def _template_call(call: Any) -> Any:
+    """OpenAI sends a call's arguments as JSON text; chat templates (Qwen's, Llama's, ...) write them with
+    tojson or iterate them, so they get the object (as vLLM and SGLang pass them)."""
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        return call
+    function = dict(call["function"])
+    if isinstance(function.get("arguments"), str):
+        try:
+            args = json.loads(function["arguments"])
+        except ValueError:
+            return call
+        if isinstance(args, dict):
+            function["arguments"] = args
+    return {**call, "function": function}
 
 
 def _text_of_part(index: int, j: int, part: Any) -> str:
@@ -81,6 +100,7 @@ def render_chat(
     chat_template: str | None = None,
     add_generation_prompt: bool = True,
     chat_template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Render messages with `chat_template` (else the tokenizer's own) and tokenize the result.
 
@@ -89,7 +109,7 @@ def render_chat(
     """
     text = render_chat_text(
         tokenizer, messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-        chat_template_kwargs=chat_template_kwargs,
+        chat_template_kwargs=chat_template_kwargs, tools=tools,
     )
     return list(tokenizer.encode(text, add_special_tokens=False))
 
@@ -101,7 +121,9 @@ def render_chat_text(
     chat_template: str | None = None,
     add_generation_prompt: bool = True,
     chat_template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
+    """tools: OpenAI tool definitions, passed to the template as transformers' apply_chat_template does."""
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise ChatTemplateError("the model has no chat template; pass --chat-template")
@@ -113,7 +135,7 @@ def render_chat_text(
     try:
         text = tokenizer.apply_chat_template(
             conversation, chat_template=template, add_generation_prompt=add_generation_prompt,
-            tokenize=False, **kwargs,
+            tokenize=False, tools=tools, **kwargs,
         )
     except ChatTemplateError:
         raise

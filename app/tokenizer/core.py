@@ -13,6 +13,7 @@ replica; a control operation goes to every replica and their replies reach http 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ from app.protocol import (
     TokenDeltas,
     TokenizedRequest,
 )
+from app.tokenizer import tokenize_ops
+from app.tokenizer.answer import answer_parser, tool_parser_keeps_special_tokens
 from app.tokenizer.control_fanout import ControlFanOut
 from app.tokenizer.output import RequestOutput
 from app.tokenizer.prompt import PromptError, build_prompt, validate_prompt
@@ -65,11 +68,14 @@ class TokenizerCore:
         stream_interval: int = 1,
         metrics: FrontendMetrics | None = None,
         router: Router | None = None,
+        reasoning_parser: str | None = None,
+        tool_call_parser: str | None = None,
     ) -> None:
         """tokenizer None means --skip-tokenizer-init: token-id prompts only, no text out.
         metrics: per-request metrics; without it they start with the engine when EngineReady says
         metrics are on (the supervisor puts enable_metrics and served_model_name in its info).
-        router: spreads requests over the data-parallel replicas (default: one replica)."""
+        router: spreads requests over the data-parallel replicas (default: one replica).
+        reasoning_parser, tool_call_parser: --reasoning-parser and --tool-call-parser (app/tokenizer/answer.py)."""
         self._tokenizer = tokenizer
         self._chat_template = chat_template
         self._stream_interval = stream_interval
@@ -78,6 +84,8 @@ class TokenizerCore:
         self._engine: EngineInfo | None = None
         self._requests: dict[str, RequestOutput] = {}
         self._router = router or Router()
+        self._reasoning_parser = reasoning_parser
+        self._tool_call_parser = tool_call_parser
         self._controls = ControlFanOut(self._router.num_replicas)
         self._handlers = {
             EngineReady: self._on_engine_ready,
@@ -162,9 +170,17 @@ class TokenizerCore:
             raise PromptError("stop strings need the tokenizer, which --skip-tokenizer-init disables")
         if any(not isinstance(s, str) or not s for s in req.sampling.stop):
             raise PromptError("stop strings must be non-empty strings")
+        sampling = req.sampling
+        answer = None
+        if self._tokenizer is not None:
+            answer = answer_parser(req, self._tokenizer, prompt, reasoning_parser=self._reasoning_parser,
+                                   tool_call_parser=self._tool_call_parser)
+            if tool_parser_keeps_special_tokens(self._tool_call_parser, req):
+                sampling = dataclasses.replace(sampling, skip_special_tokens=False)
         return RequestOutput(
-            req.rid, req.sampling, tokenizer=self._tokenizer, stream=req.stream,
+            req.rid, sampling, tokenizer=self._tokenizer, stream=req.stream,
             stream_interval=self._stream_interval, prompt_ids=prompt, return_prompt_ids=req.return_prompt_ids,
+            answer=answer,
         )
 
     # ------------------------------------------------------------ aborts and control
@@ -175,6 +191,11 @@ class TokenizerCore:
         return self._to_holder(msg.rid or "", msg)
 
     def _on_control(self, msg: ControlRequest) -> list[Outgoing]:
+        if msg.kind in tokenize_ops.KINDS:  # answered here: the tokenizer is in this process
+            if self._engine is None:
+                return [Outgoing(HTTP, ControlReply(msg.req_id, False, "the engine is not ready yet"))]
+            return [Outgoing(HTTP, tokenize_ops.handle(msg, self._tokenizer, chat_template=self._chat_template,
+                                                       vocab_size=self._engine["vocab_size"]))]
         refused = self._controls.refusal(msg)
         if refused is not None:
             return [Outgoing(HTTP, refused)]

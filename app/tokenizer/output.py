@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.protocol import FINISH_STOP, SamplingParams, TextDelta, TokenDelta, TokenLogprobs
+from app.protocol import FINISH_STOP, SamplingParams, TextDelta, TokenDelta, TokenLogprobs, ToolCall
+from app.tokenizer.answer import AnswerParser
 from app.tokenizer.detokenizer import IncrementalDetokenizer, token_texts
 from app.tokenizer.stop import StopMatcher
 
@@ -20,6 +21,8 @@ class _Pending:
     """What was produced since the last TextDelta went out."""
 
     text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
 
@@ -44,7 +47,9 @@ class RequestOutput:
         stream_interval: int,
         prompt_ids: list[int],
         return_prompt_ids: bool = False,
+        answer: AnswerParser | None = None,
     ) -> None:
+        """answer: splits a chat answer into reasoning, content and tool calls (None: text as is)."""
         self.rid = rid
         self._sampling = sampling
         self._tokenizer = tokenizer
@@ -62,6 +67,7 @@ class RequestOutput:
             )
             if sampling.stop:
                 self._stop = StopMatcher(sampling.stop, no_stop_trim=sampling.no_stop_trim)
+        self._answer = answer
         self._pending = _Pending()
         self._sent_any = False
         self._since_sent = 0
@@ -69,7 +75,7 @@ class RequestOutput:
     def on_delta(self, delta: TokenDelta) -> DeltaResult:
         ids = list(delta.token_ids)
         text, used, matched = self._text_of(ids, delta)
-        self._pending.text.append(text)
+        self._add_text(text, final=matched is not None or delta.finish_reason is not None)
         self._pending.token_ids.extend(ids[:used])
         self._pending.logprobs.extend(delta.logprobs[:used])
         self._since_sent += used
@@ -84,6 +90,15 @@ class RequestOutput:
         return DeltaResult(None, False, False)
 
     # ------------------------------------------------------------ text
+
+    def _add_text(self, text: str, *, final: bool) -> None:
+        if self._answer is None:
+            self._pending.text.append(text)
+            return
+        parsed = self._answer.feed(text, final=final)
+        self._pending.text.append(parsed.content)
+        self._pending.reasoning.append(parsed.reasoning)
+        self._pending.tool_calls.extend(parsed.calls)
 
     def _text_of(self, ids: list[int], delta: TokenDelta) -> tuple[str, int, str | None]:
         """(new final text, how many of ids it used, the stop string matched or None)."""
@@ -142,6 +157,8 @@ class RequestOutput:
             completion_tokens=delta.completion_tokens,
             cached_tokens=delta.cached_tokens,
             logprobs=pending.logprobs,
+            reasoning_text="".join(pending.reasoning),
+            tool_calls=pending.tool_calls,
         )
         if pending.logprobs and self._tokenizer is not None:
             out.token_texts = token_texts(self._tokenizer, [lp.token_id for lp in pending.logprobs])

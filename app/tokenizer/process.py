@@ -75,7 +75,8 @@ def _build_core(settings: Any) -> tuple[TokenizerCore, EngineInfo]:
     if router.num_replicas > 1:
         logger.info("tokenizer: routing over %d data-parallel replicas (%s)", router.num_replicas, router.method)
     core = TokenizerCore(tokenizer, chat_template=chat_template, stream_interval=settings.stream_interval,
-                         router=router)
+                         router=router, reasoning_parser=settings.reasoning_parser,
+                         tool_call_parser=settings.tool_call_parser)
     return core, info
 
 

@@ -29,6 +29,7 @@ def build_prompt(
             return render_chat(
                 tokenizer, req.messages, chat_template=chat_template,
                 add_generation_prompt=req.add_generation_prompt, chat_template_kwargs=req.chat_template_kwargs,
+                tools=req.tools or None,
             )
         except ChatTemplateError as exc:
             raise PromptError(str(exc)) from exc

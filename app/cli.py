@@ -1,4 +1,4 @@
-"""The `tokenspeed` command: serve, config show, config schema, version."""
+"""The `tokenspeed` command: serve, config show, config schema, bench, version."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ def _top_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
     commands.add_parser("serve", help="start the server: tokenspeed serve [MODEL] [flags] (see serve --help)")
     commands.add_parser("config", help="config show: the resolved configuration; config schema: recipe schema")
+    commands.add_parser("bench", help="bench serving|offline|latency [flags]: the benchmarks (see bench --help)")
     commands.add_parser("version", help="print the version")
     return parser
 
@@ -82,6 +83,12 @@ def _config(argv: Sequence[str]) -> int:
     return _usage(_config_parser(), argv)
 
 
+def _bench(argv: Sequence[str]) -> int:
+    from app.bench import main as bench  # imported late: the in-process benchmarks pull in torch
+
+    return bench(argv)
+
+
 def _version(argv: Sequence[str]) -> int:
     _no_arguments("tokenspeed version", "Print the version.", argv)
     print(f"TokenSpeed appliance v{version()}")
@@ -101,7 +108,9 @@ def _usage(parser: argparse.ArgumentParser, argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands: dict[str, Callable[[Sequence[str]], int]] = {"serve": _serve, "config": _config, "version": _version}
+    commands: dict[str, Callable[[Sequence[str]], int]] = {
+        "serve": _serve, "config": _config, "bench": _bench, "version": _version,
+    }
     try:
         if argv and argv[0] in commands:
             return commands[argv[0]](argv[1:])

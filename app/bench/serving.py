@@ -12,7 +12,7 @@ end-to-end latency (mean, p50, p90, p99, in ms), request and token throughput (f
 server reports), mean input and output length; prints that summary and writes it to --json with each
 request's drawn and served lengths under "requests".
 
-  python scripts/bench_serving.py --base-url http://127.0.0.1:8000 --num-prompts 200 \\
+  tokenspeed bench serving --base-url http://127.0.0.1:8000 --num-prompts 200 \\
       --input-len 512 --output-len 128 --request-rate 8 --json serving.json
 """
 

@@ -26,7 +26,9 @@ ARGS="--model configs/models/llama-3.1-8b --load-format dummy --dtype bfloat16 -
 one() {  # one TREE_DIR RUN_NAME [flags]: the graph replay ms, or "failed"
   local dir=$1 run=$2 kernels=/tmp/ab_k_$(name "$1"); shift 2
   rm -f "/tmp/ab_$run.json"  # a failed run must not report an earlier call's figure
-  ( cd "$dir" && PYTHONPATH=/tmp/site:$kernels:$PWD timeout 120 python3 scripts/bench_latency.py $ARGS "$@" \
+  local bench=(-m app.bench.latency)  # trees from before the benchmarks moved into app/ have the script
+  [ -f "$dir/app/bench/latency.py" ] || bench=(scripts/bench_latency.py)
+  ( cd "$dir" && PYTHONPATH=/tmp/site:$kernels:$PWD timeout 120 python3 "${bench[@]}" $ARGS "$@" \
       --json "/tmp/ab_$run.json" > "/tmp/ab_$run.log" 2>&1 ) \
     && python3 -c "import json; print(json.load(open('/tmp/ab_$run.json'))['graph_replay_ms'])" || echo failed
 }

@@ -134,7 +134,7 @@ stage() {  # stage NAME TIMEOUT CMD...: run, log, record the exit status; the lo
 }
 latency() {  # latency NAME BACKEND BATCH [extra flags]
   local name=$1 backend=$2 batch=$3; shift 3
-  stage "$name" 90 python3 scripts/bench_latency.py --model $MODEL --load-format dummy --dtype bfloat16 \
+  stage "$name" 90 python3 -m app.bench.latency --model $MODEL --load-format dummy --dtype bfloat16 \
     --attention-backend "$backend" --batch-size "$batch" --input-len 512 --output-len 128 \
     --json "$RUN/$name.json" "$@"
 }
@@ -151,14 +151,14 @@ fits() {  # fits NAME SECONDS: true if SECONDS are left before DEADLINE, else th
 }
 run_kv_pool() {  # run_kv_pool NAME TIMEOUT [flags]: start-up and one decode step; the default backend for the KV dtype
   local name=$1 limit=$2; shift 2
-  stage "$name" "$limit" python3 scripts/bench_latency.py --model $MODEL --load-format dummy --dtype bfloat16 \
+  stage "$name" "$limit" python3 -m app.bench.latency --model $MODEL --load-format dummy --dtype bfloat16 \
     ${KV_POOL_BACKEND:+--attention-backend "$KV_POOL_BACKEND"} --batch-size 1 --input-len 128 --output-len 2 \
     --max-model-len 2048 --json "$RUN/$name.json" "$@"
 }
 run_offline() {  # run_offline NAME TIMEOUT [flags]: bench_offline on the model, dummy bf16 weights, flashinfer
   local name=$1 limit=$2; shift 2  # OFFLINE_FLAGS: more bench_offline flags (e.g. --gpu-memory-utilization)
   # shellcheck disable=SC2086
-  stage "$name" "$limit" python3 scripts/bench_offline.py --model $MODEL --load-format dummy --dtype bfloat16 \
+  stage "$name" "$limit" python3 -m app.bench.offline --model $MODEL --load-format dummy --dtype bfloat16 \
     --attention-backend flashinfer --json "$RUN/$name.json" "$@" ${OFFLINE_FLAGS:-}
 }
 # The offline figure: 1000 requests of 1000 in / 1000 out. A bf16 KV token of the 8B model is
@@ -223,11 +223,11 @@ for s in $STAGES; do
     profile_b4) wait $WARM; run_offline profile_b4 120 --num-requests 4 --input-len 1024 --output-len 256 --max-num-seqs 4 \
       --profile-steps 100:20 ;;
     pyspy_b4) wait $WARM; stage pyspy_b4 150 py-spy record --idle --nonblocking -r 500 -f raw \
-      -o "$RUN/pyspy_b4-offline.pyspy.txt" -- python3 scripts/bench_offline.py --model $MODEL --load-format dummy \
+      -o "$RUN/pyspy_b4-offline.pyspy.txt" -- python3 -m app.bench.offline --model $MODEL --load-format dummy \
       --dtype bfloat16 --attention-backend flashinfer --num-requests 4 --input-len 1024 --output-len 1024 \
       --max-num-seqs 4 --json "$RUN/pyspy_b4.json" ;;
     pyspy_prefill) wait $WARM; stage pyspy_prefill 150 py-spy record --idle --nonblocking -r 500 -f raw \
-      -o "$RUN/pyspy_prefill-latency.pyspy.txt" -- python3 scripts/bench_latency.py --model $MODEL --load-format dummy \
+      -o "$RUN/pyspy_prefill-latency.pyspy.txt" -- python3 -m app.bench.latency --model $MODEL --load-format dummy \
       --dtype bfloat16 --attention-backend flashinfer --batch-size 1 --input-len 1024 --output-len 4 --prefill-reps 60 \
       --json "$RUN/pyspy_prefill.json" ;;
     offline) wait $WARM; run_offline offline 150 --num-requests 128 --input-len 512 --output-len 128 --max-num-seqs 128 ;;

@@ -1,4 +1,4 @@
-"""scripts/bench_serving.py against a tiny fake OpenAI server (a real uvicorn in a thread) that streams
+"""app/bench/serving.py against a tiny fake OpenAI server (a real uvicorn in a thread) that streams
 exactly max_tokens tokens and reports as prompt_tokens the number of ids (or words) it was sent; and
 scripts/gpu/serve_and_bench.sh's RANGE_RATIO, run with stand-ins for python3 and curl.
 
@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from scripts import bench_serving
+from app.bench import serving as bench_serving
 from tests.support.threaded_server import ThreadedServer
 
 ROOT = Path(__file__).resolve().parents[2]

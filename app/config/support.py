@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.config.errors import Problem
+from app.config.kv_events import kv_events_config_problem
 from app.config.names import flag_of
-from app.metrics.kv_events import kv_events_config_problem
 
 
 @dataclass(frozen=True)

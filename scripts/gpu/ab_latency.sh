@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Batch-1 decode (graph replay) of the 8B model, dummy weights, triton backend, bf16 and FP8 weights, run
-# alternately with older trees and this one on the same machine: H200s differ by more than some changes
-# (docs/benchmarks.md), so a change is judged side by side. BATCH="1 64" runs each batch size in turn: a
-# change for batch 1 can cost elsewhere (session 15: 1.8% faster at batch 1, 3% slower at 64). WEIGHTS=fp8
+# alternately with older trees and this one on the same machine: H200s differ by up to 5% (docs/performance.md),
+# more than some changes, so a change is judged side by side. BATCH="1 64" runs each batch size in turn: a
+# change that speeds batch 1 can slow larger batches (one was 1.8% faster at batch 1, 3% slower at 64). WEIGHTS=fp8
 # leaves out the bf16 runs (for a change to FP8's path alone; default "bf16 fp8").
 #
 #   git archive <commit> app kernels scripts configs | (mkdir -p ab_old && tar -x -C ab_old)   # here

@@ -101,6 +101,7 @@ def test_graph_pieces_cut_the_backends_own_forward(tmp_path: Path) -> None:
         assert not flat[others].any()
 
 
+@pytest.mark.slow  # a model through the interpreter
 def test_runner_on_triton_backend_matches_transformers(tmp_path: Path) -> None:
     model_dir = build_tiny_model("qwen3", tmp_path, seed=2, num_hidden_layers=2)
     runner = ModelRunner(make_settings(model_dir, attention_backend="triton", max_num_seqs=3), CPU)

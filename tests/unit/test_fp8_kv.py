@@ -276,6 +276,7 @@ def test_backends_without_fp8_kv_fall_back_to_torch() -> None:
 SMOLLM_DIR = os.environ.get("TOKENSPEED_DEFAULT_MODEL_DIR")
 
 
+@pytest.mark.slow  # SmolLM2-135M
 @pytest.mark.skipif(
     not SMOLLM_DIR or not Path(SMOLLM_DIR).is_dir(),
     reason="TOKENSPEED_DEFAULT_MODEL_DIR is not a prepared model",

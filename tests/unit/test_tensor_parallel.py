@@ -22,6 +22,8 @@ from tests.unit.test_model_runner import CPU, Request, ScriptedScheduler, make_s
 
 JOIN_TIMEOUT_S = 120
 
+pytestmark = pytest.mark.slow  # spawns a process per TP rank and loads each model twice
+
 
 def expected_shards(full: dict[str, torch.Tensor], config: dict[str, Any], rank: int, size: int) -> dict[str, torch.Tensor]:
     """Parameter name -> what rank `rank` must hold, from the checkpoint's full tensors."""

@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL_DIR ?= $(HOME)/.cache/tokenspeed/models/smollm2-135m-instruct
 
-.PHONY: install model run test lint bench clean container-test soak
+.PHONY: install model run test test-fast lint bench clean container-test soak
 
 install: $(STAMP)
 
@@ -21,12 +21,18 @@ model: $(STAMP)
 run: model
 	$(VENV)/bin/tokenspeed serve --config configs/recipes/smollm2-135m-instruct.yaml
 
+# Every test: what CI runs.
 test: model
 	TOKENSPEED_DEFAULT_MODEL_DIR=$(MODEL_DIR) $(PY) -m pytest -q tests
+
+# The tests but the slow (whole appliances, long runs) and GPU ones: under 3 minutes on 2 cores.
+test-fast: model
+	TOKENSPEED_DEFAULT_MODEL_DIR=$(MODEL_DIR) $(PY) -m pytest -q -m "not slow and not gpu" tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check app kernels scripts tests docker
 
+# The scheduler's CPU time a step; the model benchmarks are `tokenspeed bench` (docs/performance.md).
 bench: $(STAMP)
 	$(PY) scripts/bench_step_overhead.py
 

@@ -1,4 +1,4 @@
-"""The `tokenspeed` command: serve, download, warmup, config show, config schema, version."""
+"""The `tokenspeed` command: serve, download, warmup, config show, config schema, bench, version."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ def _top_parser() -> argparse.ArgumentParser:
     commands.add_parser("warmup", help="build the kernels serve needs into the kernel caches: tokenspeed warmup "
                         "[MODEL] [serve flags] (see warmup --help)")
     commands.add_parser("config", help="config show: the resolved configuration; config schema: recipe schema")
+    commands.add_parser("bench", help="bench serving|offline|latency [flags]: the benchmarks (see bench --help)")
     commands.add_parser("version", help="print the version")
     return parser
 
@@ -98,6 +99,12 @@ def _config(argv: Sequence[str]) -> int:
     return _usage(_config_parser(), argv)
 
 
+def _bench(argv: Sequence[str]) -> int:
+    from app.bench import main as bench  # imported late: the in-process benchmarks pull in torch
+
+    return bench(argv)
+
+
 def _version(argv: Sequence[str]) -> int:
     _no_arguments("tokenspeed version", "Print the version.", argv)
     print(f"TokenSpeed appliance v{version()}")
@@ -118,7 +125,8 @@ def _usage(parser: argparse.ArgumentParser, argv: Sequence[str]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands: dict[str, Callable[[Sequence[str]], int]] = {
-        "serve": _serve, "download": _download, "warmup": _warmup, "config": _config, "version": _version,
+        "serve": _serve, "download": _download, "warmup": _warmup, "config": _config, "bench": _bench,
+        "version": _version,
     }
     try:
         if argv and argv[0] in commands:

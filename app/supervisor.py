@@ -22,7 +22,6 @@ import multiprocessing.connection
 import os
 import shutil
 import signal
-import socket
 import tempfile
 import time
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ import zmq
 from app import ipc, lifecycle, model_files, startup_phases
 from app import protocol as p
 from app.ipc import Endpoints
+from app.net import free_port
 from app.topology import Topology
 
 log = logging.getLogger("tokenspeed.supervisor")
@@ -241,13 +241,6 @@ class Supervisor:
         os.close(self._wake_r)
         os.close(self._wake_w)
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
-
-
-def free_port() -> int:
-    """A TCP port free on this host now (the workers bind it moments later)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def serve(settings) -> int:

@@ -78,7 +78,7 @@ def _decode_split_kernel(
     # which writes q and the new token's K/V): under PDL it is read while that kernel ends. The pages stay
     # in the loop, where the pipeliner requests them stages ahead with the K/V tiles: read before the wait
     # and carried from one iteration to the next, they were no longer pipelined (sm_90 TTGIR), and the
-    # step measured 3% slower at batch 64 (docs/benchmarks.md, session 15).
+    # step was 3% slower at batch 64.
     seq_len = tl.load(seq_lens_ptr + b)
     wait_for_predecessor(USE_PDL)
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N

@@ -202,8 +202,8 @@ def _sum_if_last_split(parts, split_stride, w_scales, y, arrivals, out_mask, SPL
 # only where it beat cuBLAS there; elsewhere torch's linear does.
 ROW_BUCKETS = (1, 4, 8, 16)
 _MEASURED: dict[tuple[str, int, int, int], GemvConfig] = {
-    # Llama-3.1-8B at TP 1 (qkv, o, gate_up, down). 16-bit: session 4's call 2, where 2% or more faster than
-    # cuBLAS (rows 2 to 16 of gate_up and down: cuBLAS equal).
+    # Llama-3.1-8B at TP 1 (qkv, o, gate_up, down). 16-bit: only where 2% or more faster than cuBLAS
+    # (rows 2 to 16 of gate_up and down: cuBLAS equal, so they go to cuBLAS).
     ("16", 1, 6144, 4096): GemvConfig(True, 64, 256, 1, 4, 4, True),
     ("16", 1, 4096, 4096): GemvConfig(False, 8, 1024, 1, 4, 3),
     ("16", 1, 28672, 4096): GemvConfig(True, 64, 128, 1, 4, 4, True),
@@ -214,12 +214,12 @@ _MEASURED: dict[tuple[str, int, int, int], GemvConfig] = {
     ("16", 8, 4096, 4096): GemvConfig(True, 64, 256, 1, 4, 4, True),
     ("16", 16, 6144, 4096): GemvConfig(True, 64, 256, 1, 4, 4, True),
     ("16", 16, 4096, 4096): GemvConfig(True, 64, 128, 2, 4, 4, True),
-    # FP8 codes: call 3 measured pick_config's default fastest on every shape and row count but these two.
+    # FP8 codes: pick_config's default is the fastest on every shape and row count but these two.
     ("fp8", 1, 4096, 4096): GemvConfig(False, 8, 1024, 1, 4, 3),
     ("fp8", 4, 4096, 14336): GemvConfig(True, 32, 256, 4, 4, 3, True, True),
-    # W8A8 (x as FP8 codes too): session 9's first call, 40 configurations a shape at 1 and 16 rows; at 1 row
-    # re-picked in session 12 after the producer kernel under PDL in a graph (bench_gemv_chain.py), as the
-    # decode step runs them (gate_up's stayed).
+    # W8A8 (x as FP8 codes too): the fastest of 40 configurations a shape at 1 and 16 rows; at 1 row picked
+    # after the producer kernel under PDL in a graph (bench_gemv_chain.py), as the decode step runs them:
+    # alone, a GEMV's fastest tile differs from its fastest behind a producer.
     ("w8a8", 1, 6144, 4096): GemvConfig(True, 64, 512, 1, 4, 3, True, fp8_operands=True),
     ("w8a8", 1, 4096, 4096): GemvConfig(True, 64, 128, 4, 4, 4, True, fp8_operands=True),
     ("w8a8", 1, 28672, 4096): GemvConfig(True, 128, 256, 1, 4, 3, True, fp8_operands=True),

@@ -106,8 +106,8 @@ def _norm_rows(
 
 def _num_warps(rows: int, width: int) -> int:
     """common.few_row_warps for a few rows, else 4. On the H200 at the 8B model's 4096, side by side with
-    4 warps: FP8 decode 1.4% faster at batch 1 (8 warps: 1.0%), 0.4% slower at 256; bf16 unchanged at both
-    (docs/benchmarks.md)."""
+    4 warps: FP8 decode 1.4% faster at batch 1 (8 warps: 1.0%), 0.4% slower at 256; bf16 unchanged at both:
+    at one row a program's latency is the kernel's, so more warps share it."""
     return few_row_warps(next_power_of_2(width)) if rows <= FEW_ROWS else 4
 
 

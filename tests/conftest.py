@@ -1,7 +1,9 @@
 """Test-process setup shared by every suite."""
 
 import os
+from pathlib import Path
 
+import pytest
 import torch
 
 # Without a GPU, Triton runs only through its interpreter, and triton.language's own @jit helpers
@@ -15,3 +17,16 @@ if not torch.cuda.is_available():
 # use one thread unless OMP_NUM_THREADS says otherwise.
 if "OMP_NUM_THREADS" not in os.environ:
     torch.set_num_threads(1)
+
+TESTS = Path(__file__).resolve().parent
+# Markers by folder, so a new test there is marked too: tests/gpu needs CUDA, tests/integration starts
+# whole appliances (seconds each). `make test-fast` runs -m "not slow and not gpu"; `make test` runs all.
+FOLDER_MARKS = {"gpu": "gpu", "integration": "slow"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        parts = item.path.resolve().relative_to(TESTS).parts
+        if len(parts) > 1 and parts[0] in FOLDER_MARKS:
+            item.add_marker(FOLDER_MARKS[parts[0]])

@@ -2,20 +2,23 @@
 
 TP size versus attention heads needs the model's config, and whether its GPU exists needs the node, so
 each worker checks those when it starts (app/worker/models/dense.py, app/worker/process.py).
+
+The rules read the settings' values as a mapping (as support.unsupported does), not the Settings model:
+Settings runs them while it validates, so this module must not import it back.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from types import SimpleNamespace
+from typing import Any
 
 from app.config.errors import Problem
-from app.metrics.kv_events import kv_events_config_problem
-
-if TYPE_CHECKING:
-    from app.config.settings import Settings
+from app.config.kv_events import kv_events_config_problem
 
 
-def cross_field_problems(s: Settings) -> list[Problem]:
+def cross_field_problems(values: Mapping[str, Any]) -> list[Problem]:
+    s = SimpleNamespace(**values)  # the fields by name, as on Settings
     problems: list[Problem] = []
     if s.chunked_prefill_size == -1 and s.max_model_len is not None and s.max_prefill_tokens < s.max_model_len:
         problems.append(Problem(
@@ -36,12 +39,13 @@ def cross_field_problems(s: Settings) -> list[Problem]:
                 f"--max-total-tokens {s.max_total_tokens} must be >= --max-model-len {s.max_model_len}: "
                 "a sequence of the maximum length must fit in the KV pool",
             ))
-    return problems + parallelism_problems(s)
+    return problems + parallelism_problems(values)
 
 
-def parallelism_problems(s: Settings) -> list[Problem]:
+def parallelism_problems(values: Mapping[str, Any]) -> list[Problem]:
     """The parallelism combinations this build runs (app/topology.py): dp replicas of tp workers each,
     on one node or, with dp = 1, spread evenly over --nnodes nodes."""
+    s = SimpleNamespace(**values)
     problems: list[Problem] = []
     tp, dp = s.tensor_parallel_size, s.data_parallel_size
     world = tp * dp

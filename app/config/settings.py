@@ -359,7 +359,7 @@ class Settings(BaseSettings):
         for name, value in derived.items():
             if getattr(self, name) is None:
                 self.__dict__[name] = value  # frozen model: set once, here, during validation
-        problems += rules.cross_field_problems(self)
+        problems += rules.cross_field_problems(self.__dict__)
         if problems:
             raise SettingsProblems(problems)
         return self

@@ -14,10 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.config.errors import Problem
+from app.config.kv_events import kv_events_config_problem
 from app.config.names import flag_of
-from app.metrics.kv_events import kv_events_config_problem
-from app.tokenizer.reasoning import REASONING_FORMATS
-from app.tokenizer.tool_parsers import TOOL_FORMATS
+
+# The parser names this build implements (app/tokenizer/reasoning.py and tool_parsers.py hold one format
+# each; a test keeps the lists equal). Named here because the config must not import the tokenizer.
+REASONING_PARSERS = ("base", "qwen3", "deepseek_r1", "deepseek_v31", "kimi_k25")
+TOOL_CALL_PARSERS = ("qwen", "json", "kimik2", "deepseek_v4", "passthrough")
 
 
 @dataclass(frozen=True)
@@ -92,9 +95,9 @@ RULES: tuple[Rule, ...] = (
     only("deepep_mode", "auto", why=_EP),
     only("dp_sampling", False, why="data-parallel sampling is not built yet"),
     # Reasoning and tools.
-    only("reasoning_parser", None, *REASONING_FORMATS,
+    only("reasoning_parser", None, *REASONING_PARSERS,
          why="this build parses the reasoning formats of these families (docs/api.md)"),
-    only("tool_call_parser", None, *TOOL_FORMATS,
+    only("tool_call_parser", None, *TOOL_CALL_PARSERS,
          why="this build parses the tool-call formats of these families (docs/api.md)"),
     only("enable_custom_logit_processor", False, why="custom logit processors are not built yet"),
     # Speculative decoding: the defaults (3 steps, steps + 1 draft tokens) are harmless while it is off.

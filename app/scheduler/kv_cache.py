@@ -8,7 +8,7 @@ blocks are reused in least-recently-freed order, and a cached block is evicted (
 when it is taken for new content.
 
 With KV cache events on (an events recorder is given), every full block also carries its event hash
-(64-bit FNV-1a of its tokens and its parent block's event hash, see app/metrics/kv_events.py),
+(64-bit FNV-1a of its tokens and its parent block's event hash, app/scheduler/block_hash.py),
 computed once when the block is registered from the parent's cached value; registrations and
 evictions are reported to the recorder as BlockStored / BlockRemoved.
 """
@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from app.metrics.kv_events import block_hash
+from app.scheduler.block_hash import block_hash
 
 if TYPE_CHECKING:
     from app.metrics.kv_events import KVEventRecorder

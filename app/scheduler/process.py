@@ -10,8 +10,9 @@ import zmq
 
 from app import ipc, lifecycle
 from app import protocol as p
+from app.config.kv_events import parse_kv_events_config
 from app.ipc import Endpoints
-from app.metrics.kv_events import KVEventPublisher, KVEventRecorder, parse_kv_events_config
+from app.metrics.kv_events import KVEventPublisher, KVEventRecorder
 from app.metrics.request_stats import FinishLogger
 from app.scheduler.rl_control import EngineControl
 from app.scheduler.scheduler import AdmissionError, QueueFull, Scheduler, SchedulerConfig

@@ -35,13 +35,13 @@ from app.protocol import (
     TokenDeltas,
     TokenizedRequest,
 )
+from app.sampling_checks import check_for_backend
 from app.tokenizer import tokenize_ops
 from app.tokenizer.answer import answer_parser, tool_parser_keeps_special_tokens
 from app.tokenizer.control_fanout import ControlFanOut
 from app.tokenizer.output import RequestOutput
 from app.tokenizer.prompt import PromptError, build_prompt, validate_prompt
 from app.tokenizer.router import Router
-from app.worker.sampling.validation import check_for_backend
 
 if TYPE_CHECKING:
     from app.metrics.frontend import FrontendMetrics

@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from app.worker.attention import AttentionBackend, AttentionBatch, AttentionMetadata
-from app.worker.attention.triton_backend import write_new_tokens
 from app.worker.cuda_graphs import CapturedSizes
-from app.worker.layers.rotary import Rope
 
 # Below a few hundred tokens a step is bound by reading the weights, so padding it costs little; from
 # 512 up the buckets are 128 tokens apart (a quarter of a step at most). Past ~2000 tokens the GPU's
@@ -57,14 +56,26 @@ class _Pieces:
     layers: list[int]  # the layer whose attention runs after graphs[i]
 
 
+@dataclass
+class _StaticSlots:
+    """What a backend's forward reads of the step before it attends: the slots its new K/V go to (the
+    bucket's static buffer)."""
+
+    slot_mapping: torch.Tensor
+
+
 class _Cutter:
-    """Stands in for the attention backend while a bucket's forward runs for capture: at each layer's
-    attention it writes the new K/V, stores the rotated queries, ends the current piece and begins the
-    next (or, warming up, only records the layers)."""
+    """Wraps the backend while a bucket's forward runs for capture. The model calls forward here as on
+    the backend, and the backend's own forward runs: it writes the new K/V to the bucket's static slots,
+    then attends. Its attention, the one part that depends on the batch's layout, is where the piece
+    ends instead: the rotated queries go to a static buffer, the current graph ends and the next begins
+    (warming up, the layers are only recorded), and the attention's static output buffer stands in for
+    its result. So the pieces run exactly the backend's forward, whatever its arguments."""
 
     def __init__(self, owner: PiecewiseGraphs, size: int, pool: tuple | None) -> None:
         self.owner, self.size, self.pool = owner, size, pool
         self.pieces = _Pieces([], [])
+        self.meta = AttentionMetadata(backend=self, batch=_StaticSlots(owner.slot_mapping[:size]))  # type: ignore[arg-type]
         if pool is not None:
             self._begin()
 
@@ -77,17 +88,16 @@ class _Cutter:
         if self.pool is not None:
             self.pieces.graphs[-1].capture_end()
 
-    def forward(
-        self,
-        layer_idx: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        meta: AttentionMetadata,
-        rope: Rope | None = None,
-    ) -> torch.Tensor:
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        backend = self.owner.backend
+        backend.attend = self._cut  # type: ignore[method-assign]  # supports_piecewise_graphs: forward ends in self.attend
+        try:
+            return backend.forward(*args, **kwargs)
+        finally:
+            del backend.attend  # the class's attend again
+
+    def _cut(self, layer_idx: int, q: torch.Tensor, *_: Any, **__: Any) -> torch.Tensor:
         owner, size = self.owner, self.size
-        q = write_new_tokens(owner.backend.kv_cache, layer_idx, q, k, v, owner.slot_mapping[:size], rope)
         owner.queries[:size].copy_(q)
         self.pieces.layers.append(layer_idx)
         self.end()
@@ -128,8 +138,7 @@ class PiecewiseGraphs(CapturedSizes):
 
     def _forward(self, size: int, pool: tuple | None) -> _Pieces:
         cutter = _Cutter(self, size, pool)
-        meta = AttentionMetadata(backend=cutter, batch=None)  # type: ignore[arg-type]  # the cutter reads neither
-        hidden = self.model(self.input_ids[:size], self.positions[:size], meta)
+        hidden = self.model(self.input_ids[:size], self.positions[:size], cutter.meta)
         self.hidden[:size].copy_(hidden)
         cutter.end()
         return cutter.pieces

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from app import protocol as p
+from app.net import free_port
 from app.worker.model_runner import ModelRunner
 from app.worker.parallel import TensorParallel
 
@@ -69,8 +70,6 @@ def _follower_main(settings: Any, device: str, rank: int, size: int, init_method
 
 def start_tp_group(settings: Any, device: torch.device, size: int) -> LeaderRunner:
     """Rank 0's runner here, ranks 1..size-1 in spawned processes (on CUDA, the next device indices)."""
-    from app.supervisor import free_port
-
     init = f"tcp://127.0.0.1:{free_port()}"
     ctx = mp.get_context("spawn")
     first = device.index or 0

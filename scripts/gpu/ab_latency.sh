@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Batch-1 decode (graph replay) of the 8B model, dummy weights, triton backend, bf16 and FP8 weights, run
-# alternately with older trees and this one on the same machine: H200s differ by more than some changes
-# (docs/benchmarks.md), so a change is judged side by side. BATCH="1 64" runs each batch size in turn: a
-# change for batch 1 can cost elsewhere (session 15: 1.8% faster at batch 1, 3% slower at 64). WEIGHTS=fp8
+# alternately with older trees and this one on the same machine: H200s differ by up to 5% (docs/performance.md),
+# more than some changes, so a change is judged side by side. BATCH="1 64" runs each batch size in turn: a
+# change that speeds batch 1 can slow larger batches (one was 1.8% faster at batch 1, 3% slower at 64). WEIGHTS=fp8
 # leaves out the bf16 runs (for a change to FP8's path alone; default "bf16 fp8").
 #
 #   git archive <commit> app kernels scripts configs | (mkdir -p ab_old && tar -x -C ab_old)   # here
@@ -26,7 +26,9 @@ ARGS="--model configs/models/llama-3.1-8b --load-format dummy --dtype bfloat16 -
 one() {  # one TREE_DIR RUN_NAME [flags]: the graph replay ms, or "failed"
   local dir=$1 run=$2 kernels=/tmp/ab_k_$(name "$1"); shift 2
   rm -f "/tmp/ab_$run.json"  # a failed run must not report an earlier call's figure
-  ( cd "$dir" && PYTHONPATH=/tmp/site:$kernels:$PWD timeout 120 python3 scripts/bench_latency.py $ARGS "$@" \
+  local bench=(-m app.bench.latency)  # trees from before the benchmarks moved into app/ have the script
+  [ -f "$dir/app/bench/latency.py" ] || bench=(scripts/bench_latency.py)
+  ( cd "$dir" && PYTHONPATH=/tmp/site:$kernels:$PWD timeout 120 python3 "${bench[@]}" $ARGS "$@" \
       --json "/tmp/ab_$run.json" > "/tmp/ab_$run.log" 2>&1 ) \
     && python3 -c "import json; print(json.load(open('/tmp/ab_$run.json'))['graph_replay_ms'])" || echo failed
 }

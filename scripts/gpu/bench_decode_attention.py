@@ -30,10 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
+from app.bench.latency import copy_bandwidth  # noqa: E402
 from app.worker.attention import AttentionSpec, build_attention_batch  # noqa: E402
 from app.worker.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from app.worker.kv_cache import KVCache, KVCacheSpec  # noqa: E402
-from scripts.bench_latency import copy_bandwidth  # noqa: E402
 from scripts.gpu.bench_gemv import time_ms  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16

@@ -32,10 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 from tokenspeed_kernels import activation, fp8_quant, greedy, kv_write, rmsnorm, rotary  # noqa: E402
 
+from app.bench.latency import copy_bandwidth  # noqa: E402
 from app.worker.quantization.fp8 import quantize_rows as torch_quantize_rows  # noqa: E402
 from app.worker.sampling.processors import find_bad_rows  # noqa: E402
 from app.worker.sampling.reduce import argmax_rows  # noqa: E402
-from scripts.bench_latency import copy_bandwidth  # noqa: E402
 from scripts.gpu.bench_gemv import time_ms  # noqa: E402
 
 HIDDEN, INTER, Q_HEADS, KV_HEADS, HEAD, VOCAB = 4096, 14336, 32, 8, 128, 128256

@@ -29,8 +29,8 @@ from tokenspeed_kernels.gemv import (  # noqa: E402
     pick_config,
 )
 
+from app.bench.latency import median_cuda_ms  # noqa: E402
 from app.worker.quantization.fp8 import Fp8Rows, quantize_rows  # noqa: E402
-from scripts.bench_latency import median_cuda_ms  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 ROTATE_BYTES = 256 << 20

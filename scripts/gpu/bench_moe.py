@@ -6,7 +6,7 @@ A MoE token reads only its k experts of every layer: the roofline here is the co
 the same process) over the *active* weight bytes of one decode token: every parameter, less the experts
 not chosen (a fraction 1 - k/E of each layer's experts) and less the embedding table (one row is read).
 The bytes come from the model built on the meta device exactly as the runner builds it (FP8 codes one
-byte, scales included). The runner's decode steps are timed by scripts/bench_latency.py (CUDA graphs as
+byte, scales included). The runner's decode steps are timed by app/bench/latency.py (CUDA graphs as
 served); transformers' decode rate is (N - 1) / (time of generate(N) - time of generate(1)).
 
   python scripts/gpu/bench_moe.py --model configs/models/qwen3-30b-a3b --json $OUT/moe.json
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from scripts import bench_latency  # noqa: E402
+from app.bench import latency as bench_latency  # noqa: E402
 
 
 def active_bytes_per_token(model_dir: str, dtype: torch.dtype, quantization: str | None) -> dict[str, float]:

@@ -35,9 +35,9 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+from app.bench.latency import time_graph_replay as graph_replay_ms  # noqa: E402
 from app.protocol import NewSeq, SamplingParams, SeqChunk, StepPlan, StepResult  # noqa: E402
 from app.worker.process import StepPipeline  # noqa: E402
-from scripts.bench_latency import time_graph_replay as graph_replay_ms  # noqa: E402
 
 SAMPLINGS = {
     "greedy": SamplingParams(temperature=0.0),

@@ -1,80 +1,61 @@
 #!/usr/bin/env bash
-# One command for the H200 machine (run from the repository root, there):
-#   scripts/gpu/run_h200.sh [STAGE...]     (default: every stage, in order)
+# One command for the H200 machine (run from the repository root, there; docs/performance.md):
+#   scripts/gpu/run_h200.sh [SUITE or STAGE ...]     (default: the gpu_tests suite)
 # Installs the wheels brought along in .whl/ (flashinfer-python 0.6.1 + apache-tvm-ffi, pydantic and
-# friends for app.config), measures the copy bandwidth and a bf16 matmul, runs the GPU tests and the
-# latency / offline benchmarks on configs/models/llama-3.1-8b (dummy bf16 weights) and transformers'
-# generate for reference, writes JSON under $OUT and prints one table last. flashinfer's JIT cache
-# lives in .fi_cache/ (carry it in, or packed as .fi_cache.tar.gz: it comes back in 15 MiB pieces, $OUT/fi_cache.tar.gz.NN) and compiles in the
-# background while the first stages run. Default stages: roofline latency_triton tests
-# latency_flashinfer latency_b32 offline hf tests_8b. Named only (each with its own time needs):
-#   idle serving             GPU idle between steps; the whole appliance over HTTP (PYSPY_BENCH=b1: py-spy on it;
-#                            summarize.py splits each TTFT into the scheduler's part and the rest)
-#   serving_eager_prefill    the serving stage with prefill and mixed steps eager (--piecewise-cuda-graph-max-tokens 0)
-#   offline_b1               one request of 1024 in / 512 out in process (the overlapped loop at batch 1): ~40 s
-#   pyspy_b4                 the profile_b4 run (1024 out) under py-spy (idle frames included): where the host's
-#                            time goes in the overlapped loop (pyspy_b4-offline.pyspy.txt, collapsed stacks): ~50 s
-#   pyspy_prefill            60 prefills of one 1024-token prompt (bench_latency --prefill-reps) under py-spy:
-#                            where the host's time goes in an eager prefill: ~50 s
-#   profile_prefill          8 requests of 1024 in / 1 out in process, one prefill a step (pipelined), torch.profiler
-#                            over 3 of them: each kernel's GPU time, the GPU's busy share (the prefill's TFLOP/s): ~40 s
-#   profile_b1_fp8           1 request of 512 in / 256 out, FP8 weights, torch.profiler over 20 decode steps: each
-#                            kernel's GPU time at batch 1 (the FP8 batch-1 goal), PDL off so that kernels do not
-#                            overlap (under PDL each one's time includes its wait for the one before): ~30 s
-#   profile_b1_bf16          the same with bf16 weights: the bar FP8 is judged against, kernel by kernel
-#   profile_b4               4 requests of 1024 in / 256 out in process, torch.profiler over 20 decode steps: each
-#                            kernel's GPU time and calls, and the GPU's busy share (4-stream TPOT): ~50 s
-#   latency_pdl              its GPU tests, then batch 1 and 4 (and batch 1 with FP8 weights), flashinfer, the
-#                            decode kernels launched with programmatic dependent launch (the default) and
-#                            without (bench_latency --no-pdl), side by side: ~150 s
-#   pdl_batches              the offline run's decode step (FP8 weights and KV, 1024-token prompts, flashinfer) with
-#                            PDL and without (--no-pdl) at PDL_BATCHES rows (default 64 256 512), two rounds: ~480 s
-#   pieces                   GPU tests of the piecewise CUDA graphs (prefill and mixed steps), then batch 1 and 4
-#                            (512-token prompts) with and without them: prefill time side by side: ~150 s
-#   latency_fp8              batch-1 flashinfer latency, bf16 weights then FP8 (quantized at load): ~70 s
-#   latency_fp8_triton       the same on the triton backend (the same decode kernels; no wait for the JIT)
+# friends for app.config), runs the stages named, writes JSON under $OUT and prints one table last.
+# flashinfer's JIT cache lives in .fi_cache/ (carry it in, or packed as .fi_cache.tar.gz: it comes back in
+# 15 MiB pieces, $OUT/fi_cache.tar.gz.NN) and compiles in the background while the first stages run.
+#
+# Suites, each sized for one device call (10 minutes) with a warm JIT cache:
+#   gpu_tests         every GPU test on one H200: tests, tests_flashinfer, tests_8b (~8 min)
+#   figures_latency   the copy-bandwidth and matmul limits, batch-1 decode with bf16 and FP8 weights (the
+#                     FP8 ratio), the KV pool with a bf16 and an FP8 cache, GPU idle between decode steps
+#   figures_offline   1000 requests of 1000 in / 1000 out, bf16, then FP8 weights and KV (FITS_PERCENT=60
+#                     with a warm cache)
+#   figures_serving   the whole appliance over HTTP: start to ready, TTFT and TPOT at 1 and 4 streams
+#   figures_tp        two GPUs (nvidia-h200-x2): TP=2 tests, batch-1 decode at TP=1 and 2, DP=2 serving
+# Stages (a suite is a list of these; each can be named alone):
+#   roofline                 copy bandwidth and a bf16 matmul (scripts/gpu/roofline.py): ~40 s
+#   latency_triton latency_flashinfer latency_b4 latency_b32
+#                            bench latency (in process) at batch 1, 4 or 32, 512-token prompts: ~60 s each
+#   latency_fp8_triton       batch 1 on the triton backend, bf16 weights then FP8 (quantized at load): ~70 s
+#   latency_fp8              the same on the flashinfer backend
 #   kv_pool                  start-up only, bf16 KV then FP8 KV: kv_pool_tokens of each: ~50 s; the default backend
 #                            is flashinfer only with its kernels cached, so it waits for the background build
 #                            (warm_flashinfer.py builds the FP8-KV kernels too: ~110 s the first time)
-#   offline_no_overlap       the offline stage without step overlap (compare with offline): ~30 s
-#   offline_1000             1000 requests of 1000 in / 1000 out, flashinfer, bf16: ~200 s
-#   offline_1000_g512        offline_1000 with decode graphs captured up to 512 (384 running: no eager decode)
-#   offline_1000_fp8         the same with FP8 weights: ~170 s
-#   offline_1000_fp8kv       the same with FP8 weights and an FP8 KV cache: ~150 s (run kv_pool before it,
-#                            or carry a cache that has the FP8-KV kernels: warm_flashinfer builds bf16 only);
-#                            FP8KV_SEQS running requests (default 512), decode graphs captured up to as many;
-#                            FP8KV_CHUNK tokens a step (default 16384: 1-2% faster than 8192, as fast as 32768)
-#   attn                     decode attention alone per backend (flashinfer CUDA-core and tensor-core, triton),
-#                            bf16 and FP8 KV, batch 1 to 384: time and KV read rate vs the copy bandwidth: ~90 s
-#   attn_sweep               the Triton decode kernel's tile, warps, stages and split count (ATTN_CONFIGS) at
-#                            ATTN_CASES (BATCHxCONTEXT,...), both caches: ~90 s
-#   gemv                     decode-sized GEMVs (kernels/gemv.py) swept per 8B shape and row count (GEMV_ROWS),
-#                            GEMV_WEIGHTS of bf16, fp8 (W8A16), w8a8, against cuBLAS: GEMV_BUDGET (200) s + ~40 s
-#   gemv_chain               the W8A8 GEMV's configurations at one row after their producer kernels under PDL in
-#                            a graph (bench_gemv_chain.py): ~30 s
-#   elementwise              rotary + KV write per heads-a-program, RMSNorm and SiLU-and-mul with and without the
-#                            fused FP8 quantization, quantize_rows: time and share of the copy bandwidth at 1, 512
-#                            and 8704 rows, or ELEMENTWISE_ROWS (bench_elementwise.py): ~40 s
-#   overlap                  a decode step's xqa attention and FP8 GEMMs (512 x 1500) one after the other against
-#                            two halves overlapped on two streams (bench_overlap.py, OVERLAP_SPLITS): ~60 s + JIT
-#   prefill_fp8              prefill attention over an FP8 cache: FA2 with bf16 queries against FA3 with FP8
-#                            queries, time and error (bench_prefill_fp8.py): ~30 s + the FA3 JIT (minutes)
-#   xqa_layout               xqa decode over an FP8 cache (512 x 1500) per block size (XQA_BLOCKS) and layout
-#                            (NHD, HND), blocks in pool order and scattered (bench_xqa_layout.py): ~20 s + JIT
-#   scaled_mm                the FP8 GEMMs (_scaled_mm, row-wise) at 512 and 8704 rows, float32 against fast
-#                            accumulation: time, TFLOP/s, error (bench_scaled_mm.py): ~30 s
-#   tests_gemv               GPU tests of kernels/gemv.py and of the pipelined steps (no host sync at launch): ~60 s
-#   tests_decode             GPU tests of the decode step's kernels and backends (fused rotary + KV write, both
-#                            caches, graphs vs eager) and of the pipelined steps (PDL included): ~60 s
-#   tests_fi_decode          the flashinfer backend's decode kernels (xqa included) against torch: ~30 s + JIT
-#   tests_fp8kv              GPU tests of the FP8 KV backends, flashinfer sampling and FP8 GEMMs: ~150 s
-#   tests_fp8w               GPU tests of the FP8 weights' GEMMs, GEMV and fused quantization: ~210 s
-#   pytest                   the GPU tests PYTEST_ARGS names (pytest's arguments, quoted as on a command line)
 #   cold_start               process start to /readiness 200 and the longest silent stretch of the log, Llama-3.1-8B
 #                            shape, dummy weights, default backend: empty kernel caches, the same again, and after
 #                            `tokenspeed warmup` (scripts/gpu/cold_start.py): ~300 s; run it with NO_WARM=1
 #                            DEADLINE=580 so that no flashinfer build competes and it is not cut short
-#   tests_tp latency_tp      two GPUs (nvidia-h200-x2): TP=2 GPU tests; batch-1 decode at TP=1 and TP=2
+#   idle                     GPU idle between decode steps, plain and pipelined (gpu_idle.py): ~60 s
+#   offline                  bench offline, 128 requests of 512 in / 128 out: ~60 s
+#   offline_1000             1000 requests of 1000 in / 1000 out, flashinfer, bf16: ~200 s
+#   offline_1000_fp8kv       the same with FP8 weights and an FP8 KV cache: ~150 s (run kv_pool before it,
+#                            or carry a cache that has the FP8-KV kernels: warm_flashinfer builds bf16 only);
+#                            FP8KV_SEQS running requests (default 512), decode graphs captured up to as many;
+#                            FP8KV_CHUNK tokens a step (default 16384)
+#   serving                  the appliance, then bench serving (serve_and_bench.sh): 4 streams of 1024-token
+#                            prompts, the same with lengths +-50%, 1 stream (PYSPY_BENCH=b1: py-spy on it)
+#   hf                       transformers' generate on the same shape, for reference
+#   profile_prefill profile_b1_bf16 profile_b1_fp8 profile_b4
+#                            torch.profiler over a window of steps in process: each kernel's GPU time and the
+#                            GPU's busy share (a prefill; batch 1 bf16 and FP8 with PDL off; batch 4): ~40 s each
+#   gemv                     decode-sized GEMVs (kernels/gemv.py) swept per 8B shape and row count (GEMV_ROWS),
+#                            GEMV_WEIGHTS of bf16, fp8 (W8A16), w8a8, against cuBLAS: GEMV_BUDGET (200) s + ~40 s
+#   gemv_chain               the W8A8 GEMV's configurations at one row after their producer kernels under PDL in
+#                            a graph (bench_gemv_chain.py): ~30 s
+#   attn                     decode attention alone per backend, bf16 and FP8 KV, batch 1 to 384 (ATTN_ARGS): ~90 s
+#   attn_sweep               the Triton decode kernel's tile, warps, stages and split count (ATTN_CONFIGS) at
+#                            ATTN_CASES (BATCHxCONTEXT,...), both caches: ~90 s
+#   elementwise              rotary + KV write, RMSNorm and SiLU-and-mul with and without the fused FP8
+#                            quantization, quantize_rows, at 1, 512 and 8704 rows or ELEMENTWISE_ROWS: ~40 s
+#   tests                    every GPU test but the 8B and flashinfer ones: ~160 s
+#   tests_flashinfer         the flashinfer tests but the 8B ones: ~90 s + JIT
+#   tests_8b                 the 8B tests (pool sizing, logits against transformers): ~240 s
+#   tests_decode             the decode step's kernels and backends, FP8 caches, the pipelined steps: ~120 s
+#   tests_fp8w               the FP8 weights' GEMMs, GEMV and fused quantization: ~210 s
+#   pytest                   the GPU tests PYTEST_ARGS names (pytest's arguments, quoted as on a command line)
+#   tests_tp latency_tp      two GPUs: TP=2 GPU tests; batch-1 decode at TP=1 and TP=2
 #   serving_dp               two GPUs: the appliance at 1 replica, then --data-parallel-size 2: ~300 s
 # A stage that cannot finish before DEADLINE is skipped rather than cut (offline_1000*), so give each
 # 1000-request stage a device call of its own unless the estimates above add up.
@@ -85,12 +66,23 @@ RUN=${RUN:-/tmp/ts_run}  # several instances may run at once (scripts/gpu/run_h2
 mkdir -p "$OUT" "$RUN"
 export PYTHONUNBUFFERED=1
 MODEL=configs/models/llama-3.1-8b
-STAGES=${*:-roofline latency_triton tests latency_flashinfer latency_b32 offline hf tests_8b}
-KNOWN=" roofline latency_triton tests latency_flashinfer latency_b4 latency_pdl pieces latency_b32 offline offline_no_overlap latency_fp8 kv_pool \
-latency_fp8_triton pdl_batches offline_1000 offline_1000_g512 offline_1000_fp8 offline_1000_fp8kv offline_b1 cold_start profile_prefill profile_b1_fp8 profile_b1_bf16 profile_b4 pyspy_b4 pyspy_prefill hf tests_8b idle serving serving_eager_prefill tests_tp latency_tp serving_dp tests_fp8kv tests_fp8w tests_decode tests_fi_decode tests_gemv gemv gemv_chain attn attn_sweep elementwise scaled_mm overlap prefill_fp8 xqa_layout pytest "
+suite() {  # suite NAME: its stages, or nothing for a name that is not a suite
+  case $1 in
+    gpu_tests) echo tests tests_flashinfer tests_8b ;;
+    figures_latency) echo roofline latency_fp8_triton kv_pool idle ;;
+    figures_offline) echo offline_1000 offline_1000_fp8kv ;;
+    figures_serving) echo serving ;;
+    figures_tp) echo tests_tp latency_tp serving_dp ;;
+  esac
+}
+STAGES=
+for name in ${*:-gpu_tests}; do stages=$(suite "$name"); STAGES="$STAGES ${stages:-$name}"; done
+KNOWN=" roofline cold_start latency_triton latency_flashinfer latency_b4 latency_b32 latency_fp8 latency_fp8_triton kv_pool idle \
+offline offline_1000 offline_1000_fp8kv serving hf profile_prefill profile_b1_fp8 profile_b1_bf16 profile_b4 gemv gemv_chain \
+attn attn_sweep elementwise tests tests_flashinfer tests_8b tests_decode tests_fp8w pytest tests_tp latency_tp serving_dp "
 SERVING_MORE="stagger:4:0.5:32:128 b1:1:0:3:256"  # the serving stages' benchmarks after the first (serve_and_bench.sh)
 for s in $STAGES; do  # every name checked before anything runs
-  [[ $KNOWN == *" $s "* ]] || { echo "unknown stage $s; known:$KNOWN"; exit 2; }
+  [[ $KNOWN == *" $s "* ]] || { echo "unknown stage $s; suites: gpu_tests figures_latency figures_offline figures_serving figures_tp; stages:$KNOWN"; exit 2; }
 done
 
 # Once per machine and set of wheels (a lock: parallel instances share /tmp/site). The stamp holds the
@@ -139,7 +131,7 @@ stage() {  # stage NAME TIMEOUT CMD...: run, log, record the exit status; the lo
 }
 latency() {  # latency NAME BACKEND BATCH [extra flags]
   local name=$1 backend=$2 batch=$3; shift 3
-  stage "$name" 90 python3 scripts/bench_latency.py --model $MODEL --load-format dummy --dtype bfloat16 \
+  stage "$name" 90 python3 -m app.bench.latency --model $MODEL --load-format dummy --dtype bfloat16 \
     --attention-backend "$backend" --batch-size "$batch" --input-len 512 --output-len 128 \
     --json "$RUN/$name.json" "$@"
 }
@@ -156,14 +148,14 @@ fits() {  # fits NAME SECONDS: true if SECONDS are left before DEADLINE, else th
 }
 run_kv_pool() {  # run_kv_pool NAME TIMEOUT [flags]: start-up and one decode step; the default backend for the KV dtype
   local name=$1 limit=$2; shift 2
-  stage "$name" "$limit" python3 scripts/bench_latency.py --model $MODEL --load-format dummy --dtype bfloat16 \
+  stage "$name" "$limit" python3 -m app.bench.latency --model $MODEL --load-format dummy --dtype bfloat16 \
     ${KV_POOL_BACKEND:+--attention-backend "$KV_POOL_BACKEND"} --batch-size 1 --input-len 128 --output-len 2 \
     --max-model-len 2048 --json "$RUN/$name.json" "$@"
 }
-run_offline() {  # run_offline NAME TIMEOUT [flags]: bench_offline on the model, dummy bf16 weights, flashinfer
-  local name=$1 limit=$2; shift 2  # OFFLINE_FLAGS: more bench_offline flags (e.g. --gpu-memory-utilization)
+run_offline() {  # run_offline NAME TIMEOUT [flags]: bench offline on the model, dummy bf16 weights, flashinfer
+  local name=$1 limit=$2; shift 2  # OFFLINE_FLAGS: more bench offline flags (e.g. --gpu-memory-utilization)
   # shellcheck disable=SC2086
-  stage "$name" "$limit" python3 scripts/bench_offline.py --model $MODEL --load-format dummy --dtype bfloat16 \
+  stage "$name" "$limit" python3 -m app.bench.offline --model $MODEL --load-format dummy --dtype bfloat16 \
     --attention-backend flashinfer --json "$RUN/$name.json" "$@" ${OFFLINE_FLAGS:-}
 }
 # The issue's offline figure: 1000 requests of 1000 in / 1000 out. A bf16 KV token of the 8B model is
@@ -184,42 +176,12 @@ for s in $STAGES; do
     # Batch 1 on the triton backend (the flashinfer backend's decode kernel for a 16-bit cache, and no
     # wait for flashinfer's JIT): bf16 weights, then FP8.
     latency_fp8_triton) latency_bf16_and_fp8 triton ;;
+    latency_flashinfer) wait $WARM; latency latency_flashinfer_b1 flashinfer 1 ;;
+    tests_flashinfer) wait $WARM; stage tests_flashinfer 200 python3 -m pytest -q -p no:cacheprovider tests/gpu \
+      -k "flashinfer and not 8b" ;;
     tests) stage tests_tiny 240 python3 -m pytest -q -p no:cacheprovider tests/gpu -k "not 8b and not flashinfer" ;;
-    latency_flashinfer)
-      wait $WARM
-      latency latency_flashinfer_b1 flashinfer 1
-      stage tests_flashinfer 70 python3 -m pytest -q -p no:cacheprovider tests/gpu -k "flashinfer and not 8b" ;;
     latency_b4) wait $WARM; latency latency_flashinfer_b4 flashinfer 4 ;;
-    latency_pdl)
-      wait $WARM
-      stage tests_pdl 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_pipeline_gpu.py \
-        tests/gpu/test_gemv_gpu.py -k "programmatic or pdl"
-      for b in 1 4; do latency latency_pdl_b$b flashinfer $b; latency latency_plain_b$b flashinfer $b --no-pdl; done
-      latency latency_pdl_fp8_b1 flashinfer 1 --quantization fp8
-      latency latency_plain_fp8_b1 flashinfer 1 --quantization fp8 --no-pdl ;;
-    pdl_batches)  # the offline run's decode (FP8 weights and KV) with PDL and without, at PDL_BATCHES, two rounds
-      wait $WARM
-      for round in 1 2; do
-        for b in ${PDL_BATCHES:-64 256 512}; do
-          for launch in pdl plain; do
-            no_pdl=(); [ "$launch" = plain ] && no_pdl=(--no-pdl)
-            latency "latency_${launch}_r${round}_b$b" flashinfer "$b" --quantization fp8 --kv-cache-dtype fp8_e4m3 \
-              --input-len 1024 --output-len 16 --max-cudagraph-capture-size "$b" "${no_pdl[@]}"
-          done
-        done
-      done ;;
-    pieces)
-      wait $WARM
-      stage tests_pieces 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_backends_gpu.py \
-        -k "piecewise or float32_greedy or bfloat16_logits or graph_and_eager"
-      for b in 1 4; do
-        latency latency_pieces_b$b flashinfer $b --prefill-reps 5
-        latency latency_eager_prefill_b$b flashinfer $b --prefill-reps 5 --piecewise-cuda-graph-max-tokens 0
-      done
-      latency latency_pieces_fp8_b1 flashinfer 1 --prefill-reps 5 --quantization fp8 ;;
     latency_b32) wait $WARM; latency latency_flashinfer_b32 flashinfer 32; latency latency_triton_b32 triton 32 ;;
-    # One request in process: the overlapped engine loop's batch-1 step, without the appliance's processes.
-    offline_b1) wait $WARM; run_offline offline_b1 120 --num-requests 1 --input-len 1024 --output-len 512 --max-num-seqs 8 ;;
     profile_prefill) wait $WARM; run_offline profile_prefill 120 --num-requests 8 --input-len 1024 --output-len 1 \
       --max-num-seqs 2 --chunked-prefill-size 1024 --profile-steps 4:3 ;;
     profile_b1_fp8) wait $WARM; run_offline profile_b1_fp8 120 --num-requests 1 --input-len 512 --output-len 256 \
@@ -228,25 +190,12 @@ for s in $STAGES; do
       --max-num-seqs 1 --profile-steps 100:20 --no-pdl ;;
     profile_b4) wait $WARM; run_offline profile_b4 120 --num-requests 4 --input-len 1024 --output-len 256 --max-num-seqs 4 \
       --profile-steps 100:20 ;;
-    pyspy_b4) wait $WARM; stage pyspy_b4 150 py-spy record --idle --nonblocking -r 500 -f raw \
-      -o "$RUN/pyspy_b4-offline.pyspy.txt" -- python3 scripts/bench_offline.py --model $MODEL --load-format dummy \
-      --dtype bfloat16 --attention-backend flashinfer --num-requests 4 --input-len 1024 --output-len 1024 \
-      --max-num-seqs 4 --json "$RUN/pyspy_b4.json" ;;
-    pyspy_prefill) wait $WARM; stage pyspy_prefill 150 py-spy record --idle --nonblocking -r 500 -f raw \
-      -o "$RUN/pyspy_prefill-latency.pyspy.txt" -- python3 scripts/bench_latency.py --model $MODEL --load-format dummy \
-      --dtype bfloat16 --attention-backend flashinfer --batch-size 1 --input-len 1024 --output-len 4 --prefill-reps 60 \
-      --json "$RUN/pyspy_prefill.json" ;;
     offline) wait $WARM; run_offline offline 150 --num-requests 128 --input-len 512 --output-len 128 --max-num-seqs 128 ;;
-    offline_no_overlap) wait $WARM; run_offline offline_no_overlap 150 --num-requests 128 --input-len 512 --output-len 128 \
-      --max-num-seqs 128 --no-overlap ;;
     latency_fp8) wait $WARM; latency_bf16_and_fp8 flashinfer ;;
     kv_pool) wait $WARM; run_kv_pool kv_pool_bf16 90; run_kv_pool kv_pool_fp8kv 240 --kv-cache-dtype fp8_e4m3 ;;
     # The 1000-request stages do not wait for the background warm-up: their own start-up builds what
     # they need (flashinfer locks its JIT modules, so the two share one compile).
     offline_1000) fits offline_1000 280 && run_offline_1000 offline_1000 384 360 8192 ;;
-    offline_1000_g512) fits offline_1000_g512 280 && run_offline_1000 offline_1000_g512 384 360 8192 \
-      --max-cudagraph-capture-size 512 ;;
-    offline_1000_fp8) wait $WARM; fits offline_1000_fp8 170 && run_offline_1000 offline_1000_fp8 384 330 8192 --quantization fp8 ;;
     offline_1000_fp8kv) fits offline_1000_fp8kv 250 && run_offline_1000 offline_1000_fp8kv "${FP8KV_SEQS:-512}" 330 \
       "${FP8KV_CHUNK:-16384}" --quantization fp8 --kv-cache-dtype fp8_e4m3 --max-cudagraph-capture-size "${FP8KV_SEQS:-512}" ;;
     hf) stage hf_b1 120 python3 scripts/gpu/hf_reference.py --model $MODEL --batch-size 1 --output-len 64 --json "$RUN/hf_b1.json" ;;
@@ -255,10 +204,6 @@ for s in $STAGES; do
     # 4 streams of 1024-token prompts (the issue's TTFT/TPOT case) with fixed lengths (the 4 arrive
     # together) and with lengths drawn within +-50% (arrivals spread, as in real traffic); one stream.
     serving) MORE=$SERVING_MORE PYSPY_BENCH=${PYSPY_BENCH:-} stage serving 260 bash scripts/gpu/serve_and_bench.sh "$RUN" serving ;;
-    serving_eager_prefill) MORE=$SERVING_MORE SERVE_FLAGS="--piecewise-cuda-graph-max-tokens 0" \
-      stage serving_eager_prefill 260 bash scripts/gpu/serve_and_bench.sh "$RUN" serving_eager_prefill ;;
-    # Two GPUs (nvidia-h200-x2): TP=2 parity tests, batch-1 decode TP=1 vs TP=2, and the appliance's
-    # throughput with one replica vs two (--data-parallel-size 2) at twice the concurrency.
     # ATTN_ARGS: more bench_decode_attention.py flags (--backends, --cases, --kv-dtypes).
     # shellcheck disable=SC2086
     attn) wait $WARM; stage attn 200 python3 scripts/gpu/bench_decode_attention.py --json "$RUN/attn.json" ${ATTN_ARGS:-} ;;
@@ -270,12 +215,6 @@ for s in $STAGES; do
       --weights "${GEMV_WEIGHTS:-bf16,fp8}" --rows "${GEMV_ROWS:-1,4,8,16}" \
       --json "$RUN/gemv.json" ;;
     gemv_chain) stage gemv_chain 300 python3 scripts/gpu/bench_gemv_chain.py --json "$RUN/gemv_chain.json" ;;
-    scaled_mm) stage scaled_mm 120 python3 scripts/gpu/bench_scaled_mm.py --json "$RUN/scaled_mm.json" ;;
-    overlap) wait $WARM; stage overlap 200 python3 scripts/gpu/bench_overlap.py --splits "${OVERLAP_SPLITS:-256}" \
-      --json "$RUN/overlap.json" ;;
-    xqa_layout) wait $WARM; stage xqa_layout 200 python3 scripts/gpu/bench_xqa_layout.py \
-      --block-sizes "${XQA_BLOCKS:-16,32,64}" --json "$RUN/xqa_layout.json" ;;
-    prefill_fp8) wait $WARM; stage prefill_fp8 400 python3 scripts/gpu/bench_prefill_fp8.py --json "$RUN/prefill_fp8.json" ;;
     elementwise) stage elementwise 150 python3 scripts/gpu/bench_elementwise.py --json "$RUN/elementwise.json" \
       --rows "${ELEMENTWISE_ROWS:-1,512,8704}" ;;
     # shellcheck disable=SC2086
@@ -284,15 +223,11 @@ for s in $STAGES; do
       stage pytest 240 python3 -m pytest -q -p no:cacheprovider "${pytest_args[@]}" ;;
     tests_fp8w) stage tests_fp8w 280 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_gpu.py \
       tests/gpu/test_gemv_gpu.py ;;
-    tests_gemv) stage tests_gemv 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gemv_gpu.py \
-      tests/gpu/test_pipeline_gpu.py ;;
-    tests_fi_decode) wait $WARM; stage tests_fi_decode 200 python3 -m pytest -q -s -p no:cacheprovider \
-      tests/gpu/test_backends_gpu.py -k "flashinfer_decode_kernels" ;;
     tests_decode) wait $WARM; stage tests_decode 220 python3 -m pytest -q -p no:cacheprovider -k "not 8b" \
       tests/gpu/test_backends_gpu.py tests/gpu/test_fp8_kv_backends.py tests/gpu/test_pipeline_gpu.py \
       tests/gpu/test_greedy_gpu.py ;;
-    tests_fp8kv) wait $WARM; stage tests_fp8kv 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_kv_backends.py \
-      tests/gpu/test_flashinfer_sampling.py tests/gpu/test_fp8_gpu.py tests/gpu/test_gemv_gpu.py ;;
+    # Two GPUs (nvidia-h200-x2): TP=2 parity tests, batch-1 decode TP=1 vs TP=2, and the appliance's
+    # throughput with one replica vs two (--data-parallel-size 2) at twice the concurrency.
     tests_tp) wait $WARM; stage tests_tp 200 python3 -m pytest -v -s -p no:cacheprovider -o faulthandler_timeout=100 \
       tests/gpu/test_tensor_parallel_gpu.py ;;
     latency_tp)

@@ -42,7 +42,7 @@ SEED=0
 bench() {  # bench JSON CONCURRENCY RANGE_RATIO NUM_PROMPTS OUTPUT_LEN
   # Each benchmark its own prompts (seed): one that repeated an earlier one's would hit the prefix cache.
   SEED=$((SEED + 1))
-  python3 scripts/bench_serving.py --base-url "http://127.0.0.1:$PORT" --num-prompts "$4" --seed $SEED \
+  python3 -m app.bench.serving --base-url "http://127.0.0.1:$PORT" --num-prompts "$4" --seed $SEED \
     --input-len "${INPUT_LEN:-1024}" --output-len "$5" --max-concurrency "$2" \
     --random-range-ratio "$3" --vocab-size 128000 --min-token-id 10 \
     --json "$1" | tail -50  # the whole summary (about 46 lines); pipefail keeps bench_serving's status

@@ -148,5 +148,6 @@ def split_loop_loads() -> int:
     return count_unpipelined(cases)
 
 
+@pytest.mark.slow  # compiles for sm_90
 def test_decode_split_loop_loads_are_pipelined_on_sm90() -> None:
     check_in_compiler_process("tests.kernels.test_attention_kernels:split_loop_loads")

@@ -54,6 +54,7 @@ def test_silu_and_mul(dtype: torch.dtype) -> None:
     torch.testing.assert_close(silu_and_mul(x), silu_and_mul_reference(x), atol=tol, rtol=tol)
 
 
+@pytest.mark.slow  # interpreted kernels over many heads
 @pytest.mark.parametrize(
     ("cache_dtype", "tokens"),
     [(torch.float32, 5), (torch.float16, 5), (torch.float8_e4m3fn, 5), (torch.float16, 20), (torch.float8_e4m3fn, 20)],

@@ -298,5 +298,6 @@ def compare_norm_ir() -> int:
     return differ
 
 
+@pytest.mark.slow  # compiles for sm_90
 def test_fused_norms_sum_in_rms_norms_order_on_sm90() -> None:
     check_in_compiler_process("tests.kernels.test_fp8_fused:compare_norm_ir")

@@ -178,6 +178,7 @@ def test_triton_backend_on_fp8_matches_torch_backend(query_lens: list[int], seq_
     assert torch.equal(ours.v[0].view(torch.uint8), ref.v[0].view(torch.uint8))
 
 
+@pytest.mark.slow  # a model through the interpreter
 def test_runner_on_triton_with_fp8_cache_matches_the_torch_backend(tmp_path: Path) -> None:
     model_dir = build_tiny_model("qwen3", tmp_path / "m", seed=2, num_hidden_layers=2)
     scales = tmp_path / "kv.json"  # non-unit scales: the write and both reads must apply them

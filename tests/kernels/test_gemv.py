@@ -204,5 +204,6 @@ def table_loop_loads() -> int:
     return count_unpipelined(cases)
 
 
+@pytest.mark.slow  # compiles the table's kernels for sm_90
 def test_table_configs_pipeline_their_loads_on_sm90() -> None:
     check_in_compiler_process("tests.kernels.test_gemv:table_loop_loads")

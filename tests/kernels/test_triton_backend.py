@@ -1,5 +1,5 @@
-"""The triton attention backend (kernels under the interpreter) against the torch backend, and the
-model runner on it against transformers' greedy generate."""
+"""The triton attention backend (kernels under the interpreter) against the torch backend, the piecewise
+graphs' cut through its forward, and the model runner on it against transformers' greedy generate."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from app.worker.attention.base import AttentionSpec
 from app.worker.attention.triton_backend import TritonAttentionBackend
 from app.worker.kv_cache import KVCache, KVCacheSpec
 from app.worker.model_runner import ModelRunner
+from app.worker.piecewise_graphs import PiecewiseGraphs
+from app.worker.quantization.calibrate import load_model
 from tests.support.model_factory import build_tiny_model
 from tests.unit.test_model_runner import Request, ScriptedScheduler, hf_greedy, make_settings, prompts_for
 
@@ -68,6 +70,38 @@ def test_capture_metadata_splits_for_the_longest_context() -> None:
     assert meta.decode and meta.num_splits == backend._splits(2, 256)
 
 
+def test_graph_pieces_cut_the_backends_own_forward(tmp_path: Path) -> None:
+    """Capturing a bucket's pieces runs the backend's forward with its attention cut out (here the
+    warm-up pass: no CUDA, no graphs). One cut a layer; layer 0's K/V land in the step's slots exactly
+    as an eager forward writes them, the pad rows' in the scratch slot, nothing elsewhere. A backend
+    whose forward stopped ending in `attend`, or a cut that wrote elsewhere, fails here."""
+    model_dir = build_tiny_model("llama", tmp_path, seed=3, num_hidden_layers=2)
+    model = load_model(model_dir, CPU, "float32", max_positions=64)
+    block_size, tokens, scratch = 4, 11, 0  # block 0 holds the scratch slot; the step's table avoids it
+    table = torch.tensor([[2, 5, 1, 7]], dtype=torch.int32)
+    batch = build_attention_batch(table, [tokens], [tokens], block_size)
+    ids = torch.randint(0, model.dims.vocab_size, (tokens,), generator=torch.Generator().manual_seed(4))
+    caches = [KVCache(model.kv_cache_spec(model.dtype), 8, block_size, CPU) for _ in range(2)]
+    eager, cut = (TritonAttentionBackend(cache, model.attention_spec) for cache in caches)
+    with torch.no_grad():
+        model(ids, batch.positions, eager.plan(batch))
+        pieces = PiecewiseGraphs(model, cut, [16], scratch, model.dims.hidden, CPU)
+        size = pieces.stage(ids, batch)
+        pieces.input_ids[tokens:size] = 5  # pad rows keep an earlier step's ids: not token 0 (zero embedding)
+        captured = pieces._forward(size, None)
+    assert size == 16 and captured.layers == [0, 1] and captured.graphs == []
+    assert "attend" not in vars(cut)  # the backend's own attend again
+    written = torch.cat([batch.slot_mapping, torch.tensor([scratch])])
+    for ours, theirs in ((caches[1].k[0], caches[0].k[0]), (caches[1].v[0], caches[0].v[0])):
+        flat, expected = ours.flatten(0, 1), theirs.flatten(0, 1)
+        assert torch.equal(flat[batch.slot_mapping], expected[batch.slot_mapping])
+        assert flat[scratch].abs().sum() > 0
+        others = torch.ones(flat.shape[0], dtype=torch.bool)
+        others[written] = False
+        assert not flat[others].any()
+
+
+@pytest.mark.slow  # a model through the interpreter
 def test_runner_on_triton_backend_matches_transformers(tmp_path: Path) -> None:
     model_dir = build_tiny_model("qwen3", tmp_path, seed=2, num_hidden_layers=2)
     runner = ModelRunner(make_settings(model_dir, attention_backend="triton", max_num_seqs=3), CPU)

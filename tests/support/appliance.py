@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from app.supervisor import free_port
+from app.net import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

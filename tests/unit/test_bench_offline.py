@@ -1,4 +1,4 @@
-"""scripts/bench_offline.py: the overlapped drive (two steps in flight, StepPipeline) produces the same
+"""app/bench/offline.py: the overlapped drive (two steps in flight, StepPipeline) produces the same
 greedy tokens as the sequential one, and those are the model's greedy continuations.
 
 A tiny random Llama on the CPU; the KV pool is smaller than the requests' total need and prompts span
@@ -16,11 +16,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from app.bench import offline as bench_offline
+from app.bench.latency import runner_settings
 from app.protocol import StepPlan, StepResult
 from app.scheduler.scheduler import Scheduler, SchedulerConfig
 from app.worker.model_runner import ModelRunner
-from scripts import bench_offline
-from scripts.bench_latency import runner_settings
 from tests.support.model_factory import build_tiny_model
 
 NUM_REQUESTS, INPUT_LEN, OUTPUT_LEN = 12, 24, 12

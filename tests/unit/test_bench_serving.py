@@ -1,4 +1,4 @@
-"""scripts/bench_serving.py against a tiny fake OpenAI server (a real uvicorn in a thread) that streams
+"""app/bench/serving.py against a tiny fake OpenAI server (a real uvicorn in a thread) that streams
 exactly max_tokens tokens and reports as prompt_tokens the number of ids (or words) it was sent; and
 scripts/gpu/serve_and_bench.sh's RANGE_RATIO, run with stand-ins for python3 and curl.
 
@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from scripts import bench_serving
+from app.bench import serving as bench_serving
 from tests.support.threaded_server import ThreadedServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -238,7 +238,7 @@ def test_serve_and_bench_passes_range_ratio(tmp_path: Path, env: dict[str, str],
     bin_dir.mkdir()
     (bin_dir / "python3").write_text(
         f'#!/bin/bash\necho "$*" >> {log}\n'
-        f'case "$1" in -c) exec {sys.executable} "$@" ;; -m) exec sleep 30 ;; esac\n'
+        f'case "$1" in -c) exec {sys.executable} "$@" ;; -m) [ "$2" = app.bench.serving ] && exit 0; exec sleep 30 ;; esac\n'
     )
     (bin_dir / "curl").write_text("#!/bin/bash\nexit 0\n")
     for tool in bin_dir.iterdir():
@@ -247,7 +247,7 @@ def test_serve_and_bench_passes_range_ratio(tmp_path: Path, env: dict[str, str],
     done = subprocess.run(["bash", "scripts/gpu/serve_and_bench.sh", str(tmp_path), "run"], cwd=ROOT,
                           env={"PATH": path, **env}, capture_output=True, text=True, timeout=30)  # fmt: skip
     assert done.returncode == 0, done.stderr
-    bench_calls = [line.split() for line in log.read_text().splitlines() if "bench_serving.py" in line]
+    bench_calls = [line.split() for line in log.read_text().splitlines() if "app.bench.serving" in line]
     assert len(bench_calls) == 1
     argv = bench_calls[0]
     assert argv[argv.index("--random-range-ratio") + 1] == passed
@@ -262,7 +262,7 @@ def test_serve_and_bench_stops_when_not_ready_or_requests_fail(tmp_path: Path, c
     bin_dir.mkdir()
     (bin_dir / "python3").write_text(
         f'#!/bin/bash\necho "$*" >> {log}\n'
-        f'case "$1" in -c) exec {sys.executable} "$@" ;; -m) exec sleep 30 ;; *bench_serving.py) {bench} ;; esac\n'
+        f'case "$1" in -c) exec {sys.executable} "$@" ;; -m) [ "$2" = app.bench.serving ] && {{ {bench}; }}; exec sleep 30 ;; esac\n'
     )
     (bin_dir / "curl").write_text(f"#!/bin/bash\n{curl}\n")
     for tool in bin_dir.iterdir():
@@ -271,5 +271,5 @@ def test_serve_and_bench_stops_when_not_ready_or_requests_fail(tmp_path: Path, c
                           env={"PATH": f"{bin_dir}:/usr/bin:/bin", "READY_TIMEOUT_S": "1", "MORE": "x:1:0:1:1"},
                           capture_output=True, text=True, timeout=30)  # fmt: skip
     assert done.returncode == 1 and says in done.stdout, done.stdout
-    calls = [line for line in log.read_text().splitlines() if "bench_serving.py" in line]
+    calls = [line for line in log.read_text().splitlines() if "app.bench.serving" in line]
     assert len(calls) == (0 if "not ready" in says else 1)  # nothing measured past the failure

@@ -124,6 +124,7 @@ def test_failed_conversion_leaves_nothing_behind(tmp_path, monkeypatch):
     assert list(out.parent.iterdir()) == []  # no staging or download dirs left
 
 
+@pytest.mark.slow  # SmolLM2-135M
 @needs_model
 def test_chat_through_the_tokenizer_core_answers_paris():
     """Prompt from the chat template, tokens from transformers' greedy generate, text from the core."""

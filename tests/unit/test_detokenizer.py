@@ -69,6 +69,7 @@ def test_random_ids_match_decode(tiny, data, skip, spaces):
     check_stream(tiny, ids, cuts, prompt, skip, spaces)
 
 
+@pytest.mark.slow  # hypothesis over a real tokenizer
 @SETTINGS
 @given(text=UNICODE_TEXT, prompt_text=UNICODE_TEXT, skip=st.booleans(), cuts=st.lists(st.integers(0, 100)))
 def test_unicode_text_never_emits_broken_characters(tiny, text, prompt_text, skip, cuts):

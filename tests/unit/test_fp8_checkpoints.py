@@ -363,6 +363,7 @@ def test_dummy_weights_for_fp8_models(
 SMOLLM_DIR = os.environ.get("TOKENSPEED_DEFAULT_MODEL_DIR")
 
 
+@pytest.mark.slow  # SmolLM2-135M
 @pytest.mark.skipif(
     not SMOLLM_DIR or not Path(SMOLLM_DIR).is_dir(),
     reason="TOKENSPEED_DEFAULT_MODEL_DIR is not a prepared model",

@@ -25,7 +25,7 @@ from app.worker.attention import TorchAttentionBackend, build_attention_batch
 from app.worker.kv_cache import KVCache, KVCacheSpec
 from app.worker.model_runner import ModelRunner
 from app.worker.quantization import FP8_DTYPE, KVQuantError, fp8_kv_backend, resolve_kv_cache_quant
-from app.worker.quantization.calibrate import calibrate_kv_scales
+from app.worker.quantization.calibrate import calibrate_kv_scales, kv_amax, load_model
 from app.worker.quantization.calibrate import main as calibrate_main
 from app.worker.quantization.kv import load_kv_scales
 from tests.support.model_factory import build_tiny_model
@@ -235,6 +235,18 @@ def test_greedy_agreement_with_the_full_precision_run(
     assert matches / total >= TEACHER_FORCED_AGREEMENT
 
 
+def test_calibration_keeps_every_sequences_maxima(tiny: dict[str, Path]) -> None:
+    """The maxima are read from the cache after each prefill: a shorter sequence after a longer one
+    overwrites only the first slots, and what was there has been counted."""
+    model = load_model(tiny["llama"], CPU, "float32", max_positions=64)
+    long_seq, short_seq = prompts_for(model.dims.vocab_size, [40, 7], seed=3)
+    k_both, v_both = kv_amax(model, [long_seq, short_seq], CPU)
+    (k_long, v_long), (k_short, v_short) = (kv_amax(model, [s], CPU) for s in (long_seq, short_seq))
+    assert k_both == [max(a, b) for a, b in zip(k_long, k_short, strict=True)]
+    assert v_both == [max(a, b) for a, b in zip(v_long, v_short, strict=True)]
+    assert min(k_both + v_both) > 0 and k_long != k_short
+
+
 def test_calibration_cli_writes_a_scales_file_the_runner_reads(tiny: dict[str, Path], tmp_path: Path) -> None:
     text = tmp_path / "calib.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 20)
@@ -264,6 +276,7 @@ def test_backends_without_fp8_kv_fall_back_to_torch() -> None:
 SMOLLM_DIR = os.environ.get("TOKENSPEED_DEFAULT_MODEL_DIR")
 
 
+@pytest.mark.slow  # SmolLM2-135M
 @pytest.mark.skipif(
     not SMOLLM_DIR or not Path(SMOLLM_DIR).is_dir(),
     reason="TOKENSPEED_DEFAULT_MODEL_DIR is not a prepared model",

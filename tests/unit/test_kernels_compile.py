@@ -7,11 +7,14 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from tests.support.compile_kernels import check_in_compiler_process
 
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # compiles every kernel twice
 def test_every_kernel_compiles_for_sm90_and_sm80() -> None:
     output = check_in_compiler_process("tests.support.compile_kernels:main", timeout=600)
     compiled = set(output.split("compiled:")[1].split())

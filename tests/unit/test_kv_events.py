@@ -10,15 +10,9 @@ import pytest
 import zmq
 
 from app import protocol as p
-from app.metrics.kv_events import (
-    END_OF_REPLAY,
-    KVEventPublisher,
-    KVEventRecorder,
-    KVEventsConfig,
-    block_hash,
-    kv_events_config_problem,
-    parse_kv_events_config,
-)
+from app.config.kv_events import KVEventsConfig, kv_events_config_problem, parse_kv_events_config
+from app.metrics.kv_events import END_OF_REPLAY, KVEventPublisher, KVEventRecorder
+from app.scheduler.block_hash import block_hash
 from app.scheduler.kv_cache import KVCacheManager
 from app.scheduler.scheduler import Scheduler, SchedulerConfig
 

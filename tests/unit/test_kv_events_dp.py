@@ -6,13 +6,8 @@ import msgpack
 import pytest
 import zmq
 
-from app.metrics.kv_events import (
-    KVEventPublisher,
-    KVEventsConfig,
-    endpoint_for_rank,
-    kv_events_config_problem,
-    rank_endpoints,
-)
+from app.config.kv_events import KVEventsConfig, endpoint_for_rank, kv_events_config_problem, rank_endpoints
+from app.metrics.kv_events import KVEventPublisher
 
 
 def test_endpoint_for_rank_offsets_tcp_ports_and_suffixes_local_names() -> None:

@@ -361,6 +361,7 @@ def test_unknown_backends_are_refused(llama_dir: Path, monkeypatch: pytest.Monke
 SMOLLM_DIR = os.environ.get("TOKENSPEED_DEFAULT_MODEL_DIR")
 
 
+@pytest.mark.slow  # SmolLM2-135M and transformers
 @pytest.mark.skipif(
     not SMOLLM_DIR or not Path(SMOLLM_DIR).is_dir(),
     reason="TOKENSPEED_DEFAULT_MODEL_DIR is not a prepared model",

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from app.protocol import SamplingParams
+from app.sampling_checks import check_for_backend
 from app.worker.sampling import GreedySampler, Sampler, make_sampler, truncation
 from app.worker.sampling import torch_sampler as torch_sampler_module
 from app.worker.sampling.truncation import apply_top_k_top_p
-from app.worker.sampling.validation import check_for_backend
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -332,7 +332,7 @@ def test_check_for_backend_answers_like_the_samplers() -> None:
 
 
 def test_validation_imports_without_torch() -> None:
-    code = "import sys, app.worker.sampling.validation; assert 'torch' not in sys.modules"
+    code = "import sys, app.sampling_checks; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=Path(__file__).parents[2])
 
 

@@ -23,11 +23,11 @@ import pytest
 import torch
 
 from app.protocol import SamplingParams
+from app.sampling_checks import check_for_backend
 from app.worker.sampling import FlashInferSampler, Sampler, make_sampler
 from app.worker.sampling.batch import plan_batch
 from app.worker.sampling.flashinfer_sampler import FLASHINFER_ROUTE, MIN_P, PLAIN, TOP_P, kernel_group
 from app.worker.sampling.truncation import apply_min_p, apply_top_k_top_p
-from app.worker.sampling.validation import check_for_backend
 
 CPU = torch.device("cpu")
 VOCAB = 10

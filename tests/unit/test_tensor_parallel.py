@@ -15,12 +15,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from app.supervisor import free_port
+from app.net import free_port
 from app.worker.model_runner import ModelRunner
 from tests.support.model_factory import build_tiny_model, write_fp8_checkpoint
 from tests.unit.test_model_runner import CPU, Request, ScriptedScheduler, make_settings, prompts_for
 
 JOIN_TIMEOUT_S = 120
+
+pytestmark = pytest.mark.slow  # spawns a process per TP rank and loads each model twice
 
 
 def expected_shards(full: dict[str, torch.Tensor], config: dict[str, Any], rank: int, size: int) -> dict[str, torch.Tensor]:

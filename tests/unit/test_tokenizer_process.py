@@ -97,6 +97,7 @@ def wait_ready(h: Harness) -> ProcessReady:
     return ready
 
 
+@pytest.mark.slow  # a tokenizer process
 def test_round_trip_stop_string_and_sigterm(harness):
     h = harness
     ready = wait_ready(h)

@@ -46,3 +46,13 @@ def test_a_named_function_is_its_arguments_schema() -> None:
 @pytest.mark.parametrize("choice", ["auto", "none", None])
 def test_other_choices_do_not_constrain(choice: str | None) -> None:
     assert forced_call_schema(TOOLS, choice) is None  # type: ignore[arg-type]
+
+
+def test_the_config_accepts_exactly_the_parsers_the_tokenizer_builds() -> None:
+    """app.config names the parsers without importing the tokenizer: the two lists must stay equal."""
+    from app.config.support import REASONING_PARSERS, TOOL_CALL_PARSERS
+    from app.tokenizer.reasoning import REASONING_FORMATS
+    from app.tokenizer.tool_parsers import TOOL_FORMATS
+
+    assert sorted(REASONING_PARSERS) == sorted(REASONING_FORMATS)
+    assert sorted(TOOL_CALL_PARSERS) == sorted(TOOL_FORMATS)

@@ -132,8 +132,9 @@ class AttentionBackend(ABC):
     # Whether it reads an FP8 (float8_e4m3fn) KV cache with the cache's per-layer k/v scales; the
     # runner's default backend falls back to torch for one that does not (quantization.fp8_kv_backend).
     supports_fp8_kv: ClassVar[bool] = False
-    # Whether forward is write_new_tokens (triton_backend) then `attend`, so that graph pieces can do the
-    # first and the backend the second (app/worker/piecewise_graphs.py).
+    # Whether forward writes the new K/V at meta.batch.slot_mapping (write_new_tokens, triton_backend), then
+    # returns self.attend(layer_idx, q, meta): graph pieces run forward with attend cut out, and the
+    # backend attends between them (app/worker/piecewise_graphs.py).
     supports_piecewise_graphs: ClassVar[bool] = False
 
     def __init__(self, kv_cache: KVCache, spec: AttentionSpec) -> None:

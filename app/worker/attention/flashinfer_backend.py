@@ -40,7 +40,7 @@ with it). Prefill chunks over an FP8 cache run, on Hopper, flashinfer's FA3 kern
 is stored. The queries are rounded to e4m3 at scale 1 (kernels/fp8_quant.cast_to_e4m3, saturating at
 +-448), as vLLM's FA3 path does for an FP8 cache; the probabilities go to FP8 inside the kernel. Against
 FA2 with bf16 queries (`prefill_kernel="fa2"`, the choice elsewhere: FA2 takes no FP8 queries), on the
-H200 (scripts/gpu/bench_prefill_fp8.py): 0.22 to 0.28 of the time (8 fresh 1000-token prompts: 531 ->
+H200: 0.22 to 0.28 of the time (8 fresh 1000-token prompts: 531 ->
 146 us a layer), relative error 4.3e-2 to 5.4e-2 against 1.8e-3, the precision class of xqa's decode.
 
 Works with flashinfer-python 0.6.1 and 0.7.x (same wrapper constructors, plan and run keywords).

@@ -114,9 +114,10 @@ class TritonAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         rope: Rope | None = None,
     ) -> torch.Tensor:
-        assert isinstance(meta, TritonAttentionMetadata)
+        # No check of meta's type here: capturing piecewise graphs runs this forward with the cutter's
+        # metadata (app/worker/piecewise_graphs.py), whose `attend` stands in for this one.
         q = write_new_tokens(self.kv_cache, layer_idx, q, k, v, meta.batch.slot_mapping, rope)
-        return self.attend(layer_idx, q, meta)
+        return self.attend(layer_idx, q, meta)  # type: ignore[arg-type]
 
     def attend(
         self, layer_idx: int, q: torch.Tensor, meta: TritonAttentionMetadata, out: torch.Tensor | None = None

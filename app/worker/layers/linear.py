@@ -13,7 +13,7 @@ weight with its own parameters and forward; the bias stays in the model dtype.""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +25,6 @@ from app.worker.parallel import SINGLE, TensorParallel
 
 if TYPE_CHECKING:
     from app.worker.quantization.fp8 import Fp8Rows
-    from app.worker.quantization.linear import Fp8LinearMethod
 
 # Attribute set on fused parameters: {shard_id: (first_row, num_rows)}.
 SHARD_ROWS = "shard_rows"
@@ -74,6 +73,19 @@ def mark_tp_slices(param: nn.Parameter, slices: dict[str | int | None, TPSlice])
     setattr(param, TP_SLICES, slices)
 
 
+class LinearMethod(Protocol):
+    """What a linear asks of its quantization method (app.worker.quantization.Fp8LinearMethod). Declared
+    here so that the layers do not import the quantization package, which imports them."""
+
+    def create_weights(
+        self, layer: nn.Module, in_features: int, shard_rows: dict[str | int | None, tuple[int, int]]
+    ) -> None: ...
+
+    def takes_quantized_rows(self) -> bool: ...
+
+    def apply(self, layer: nn.Module, x: torch.Tensor | Fp8Rows, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+
 class Linear(nn.Module):
     def __init__(
         self,
@@ -81,7 +93,7 @@ class Linear(nn.Module):
         out_features: int,
         bias: bool,
         dtype: torch.dtype,
-        quant: Fp8LinearMethod | None = None,
+        quant: LinearMethod | None = None,
         shard_rows: dict[str | int | None, tuple[int, int]] | None = None,
     ) -> None:
         super().__init__()
@@ -121,7 +133,7 @@ class RowParallelLinear(Linear):
         out_features: int,
         bias: bool,
         dtype: torch.dtype,
-        quant: Fp8LinearMethod | None = None,
+        quant: LinearMethod | None = None,
         tp: TensorParallel = SINGLE,
     ) -> None:
         local = in_features // tp.size
@@ -145,7 +157,7 @@ class MergedLinear(Linear):
         shards: dict[str | int, int],
         bias: bool,
         dtype: torch.dtype,
-        quant: Fp8LinearMethod | None = None,
+        quant: LinearMethod | None = None,
         tp_parts: dict[str | int, tuple[int, int]] | None = None,
     ) -> None:
         rows, start = {}, 0
@@ -185,7 +197,7 @@ class QKVLinear(MergedLinear):
         head_dim: int,
         bias: bool,
         dtype: torch.dtype,
-        quant: Fp8LinearMethod | None = None,
+        quant: LinearMethod | None = None,
         tp: TensorParallel = SINGLE,
     ) -> None:
         heads = num_heads // tp.size
@@ -204,7 +216,7 @@ class GateUpLinear(MergedLinear):
         intermediate: int,
         bias: bool,
         dtype: torch.dtype,
-        quant: Fp8LinearMethod | None = None,
+        quant: LinearMethod | None = None,
         tp: TensorParallel = SINGLE,
     ) -> None:
         local = intermediate // tp.size

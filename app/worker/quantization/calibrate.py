@@ -18,9 +18,8 @@ from typing import Any
 
 import torch
 
-from app.worker.attention import AttentionMetadata, TorchAttentionBackend, build_attention_batch
+from app.worker.attention import TorchAttentionBackend, build_attention_batch
 from app.worker.kv_cache import KVCache
-from app.worker.layers.rotary import Rope
 from app.worker.loader import load_hf_config, load_weights, resolve_dtype
 from app.worker.models import DenseCausalLM, model_class_for
 from app.worker.quantization.fp8 import FP8_MAX
@@ -31,44 +30,28 @@ _BLOCK = 16
 _MIN_SCALE = 1e-8  # a layer whose K or V stayed zero still gets a usable scale
 
 
-class _RecordingBackend(TorchAttentionBackend):
-    """The torch backend, noting the largest |K| and |V| each layer writes."""
-
-    def __init__(self, kv_cache: KVCache, spec: Any) -> None:
-        super().__init__(kv_cache, spec)
-        self.k_amax = [0.0] * kv_cache.spec.num_layers
-        self.v_amax = [0.0] * kv_cache.spec.num_layers
-
-    def forward(
-        self,
-        layer_idx: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        meta: AttentionMetadata,
-        rope: Rope | None = None,
-    ) -> torch.Tensor:
-        if rope is not None:  # the cache holds rotated keys
-            q, k = rope.apply(q, k)
-        self.k_amax[layer_idx] = max(self.k_amax[layer_idx], float(k.abs().max()))
-        self.v_amax[layer_idx] = max(self.v_amax[layer_idx], float(v.abs().max()))
-        return super().forward(layer_idx, q, k, v, meta)
-
-
 def kv_amax(
     model: DenseCausalLM, sequences: list[list[int]], device: torch.device
 ) -> tuple[list[float], list[float]]:
-    """Per-layer largest |K| and |V| over the sequences, each run as one prefill."""
+    """Per-layer largest |K| and |V| over the sequences, each run as one prefill through the torch backend.
+    The cache is in the model's dtype, so after each prefill it holds exactly the K (rotated) and V the
+    layers wrote: their maxima are read there, and the backend runs unchanged."""
     longest = max(len(s) for s in sequences)
     blocks = math.ceil(longest / _BLOCK)
     cache = KVCache(model.kv_cache_spec(model.dtype), blocks, _BLOCK, device)
-    backend = _RecordingBackend(cache, model.attention_spec)
+    backend = TorchAttentionBackend(cache, model.attention_spec)
     table = torch.arange(blocks, dtype=torch.int32, device=device).unsqueeze(0)
+    k_amax = [0.0] * cache.spec.num_layers
+    v_amax = [0.0] * cache.spec.num_layers
     with torch.no_grad():
         for seq in sequences:
             batch = build_attention_batch(table, [len(seq)], [len(seq)], _BLOCK)
             model(torch.tensor(seq, device=device), batch.positions, backend.plan(batch))
-    return backend.k_amax, backend.v_amax
+            # A later, shorter sequence overwrites only the first slots: every value is read before that.
+            for layer in range(cache.spec.num_layers):
+                k_amax[layer] = max(k_amax[layer], float(cache.k[layer].abs().max()))
+                v_amax[layer] = max(v_amax[layer], float(cache.v[layer].abs().max()))
+    return k_amax, v_amax
 
 
 def scales_document(k_amax: list[float], v_amax: list[float]) -> dict[str, Any]:

@@ -6,7 +6,7 @@ Two implementations of the same numbers:
   bf16 output (the only row-wise output type), and fast accumulation: partial sums stay in the tensor
   cores' accumulator instead of being promoted to float32 every few steps, as vLLM's CUTLASS FP8
   kernels for Hopper do. On the H200 that made a decode step's GEMMs 7 to 8% faster (offline
-  1000 x 1000 +1%) for a relative error of 2-3e-3 against 1.7e-3 (scripts/gpu/bench_scaled_mm.py); the e4m3
+  1000 x 1000 +1%) for a relative error of 2-3e-3 against 1.7e-3; the e4m3
   rounding of the operands dominates either way. SM89 (Ada) has per-tensor scaling only: unit scales,
   a float32 product of the codes, then the same [M, 1] x [1, N] scales. _scaled_mm wants the second
   operand column-major: the [N, K] row-major weight transposed is exactly that, without a copy;

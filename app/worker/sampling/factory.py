@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from app.sampling_checks import unknown_backend
 from app.worker.sampling.greedy import GreedySampler
 from app.worker.sampling.output import SamplerBackend
 from app.worker.sampling.torch_sampler import Sampler
-from app.worker.sampling.validation import unknown_backend
 
 
 def make_sampler(

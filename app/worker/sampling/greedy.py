@@ -11,10 +11,10 @@ import numpy as np
 import torch
 
 from app.protocol import SamplingParams
+from app.sampling_checks import check_greedy_params
 from app.worker.sampling.logprobs import gather_logprobs
 from app.worker.sampling.output import SamplerOutput, check_logits
 from app.worker.sampling.reduce import argmax_and_bad_rows
-from app.worker.sampling.validation import check_greedy_params
 from app.worker.transfer import upload
 
 

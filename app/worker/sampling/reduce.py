@@ -2,7 +2,7 @@
 
 torch reduces a [B, V] row with few thread blocks per row when B is small: its argmax over 4 rows of
 Llama-3's 128,256 logits took 27 us on the H200 and the max 15 us, about 1% of a decode step; the two
-passes take 13.5 us together (docs/benchmarks.md, session 5). Viewed as [B, V / piece, piece], the
+passes take 13.5 us together. Viewed as [B, V / piece, piece], the
 first pass runs B * V / piece short reductions in parallel and the second reduces the pieces' results.
 The values are the one-pass ones: a max is exact in any order, and each pass keeps the first index of
 its largest value (torch's argmax rule), so the index is the first too.

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from app.protocol import SamplingParams
+from app.sampling_checks import check_params
 from app.worker.sampling.batch import BatchPlan, KernelRoute, plan_batch
 from app.worker.sampling.logprobs import gather_logprobs
 from app.worker.sampling.output import SamplerOutput, check_logits
@@ -42,7 +43,6 @@ from app.worker.sampling.randomness import gumbel_noise
 from app.worker.sampling.reduce import argmax_and_bad_rows, argmax_rows
 from app.worker.sampling.slots import SlotTable
 from app.worker.sampling.truncation import apply_min_p, apply_top_k_top_p
-from app.worker.sampling.validation import check_params
 
 
 class Sampler:

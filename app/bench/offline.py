@@ -11,7 +11,7 @@ keeps MAX_INFLIGHT_STEPS plans out, and the worker's StepPipeline launches step 
 step N's tokens back, so planning, staging and result processing run while the GPU computes.
 --no-overlap runs each step start to end instead (execute, then process_result).
 
-  python scripts/bench_offline.py --model configs/models/llama-3.1-8b --load-format dummy \\
+  tokenspeed bench offline --model configs/models/llama-3.1-8b --load-format dummy \\
       --dtype bfloat16 --num-requests 256 --input-len 512 --output-len 256 --max-num-seqs 256
 """
 
@@ -25,18 +25,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from app import protocol as p  # noqa: E402
-from app.scheduler.process import MAX_INFLIGHT_STEPS  # noqa: E402
-from app.scheduler.scheduler import Scheduler, SchedulerConfig  # noqa: E402
-from app.worker.process import StepPipeline  # noqa: E402
-from scripts.bench_latency import (  # noqa: E402
+from app import protocol as p
+from app.bench.latency import (
     add_common_flags,
     close_runner,
     emit,
@@ -46,6 +40,9 @@ from scripts.bench_latency import (  # noqa: E402
     sync,
     tp_size,
 )
+from app.scheduler.process import MAX_INFLIGHT_STEPS
+from app.scheduler.scheduler import Scheduler, SchedulerConfig
+from app.worker.process import StepPipeline
 
 
 @dataclass

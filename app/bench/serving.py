@@ -14,7 +14,7 @@ request's drawn and served lengths under "requests". It exits 1, saying why on s
 server does not serve (/v1/models fails) or any request failed: a benchmark with failed requests
 measures something else (--allow-failures accepts them, as long as one request completed).
 
-  python scripts/bench_serving.py --base-url http://127.0.0.1:8000 --num-prompts 200 \\
+  tokenspeed bench serving --base-url http://127.0.0.1:8000 --num-prompts 200 \\
       --input-len 512 --output-len 128 --request-rate 8 --json serving.json
 """
 

@@ -12,7 +12,7 @@ Also recorded: the precision (--quantization, --kv-cache-dtype, as given and as 
 them) and the KV pool the runner sized (tokens and bytes); with --output-len 2 the run is little more
 than a start-up, which is how the KV pool of one setting is read.
 
-  python scripts/bench_latency.py --model configs/models/llama-3.1-8b --load-format dummy \\
+  tokenspeed bench latency --model configs/models/llama-3.1-8b --load-format dummy \\
       --dtype bfloat16 --batch-size 1 --input-len 512 --output-len 128 --json out.json
   (FP8 weights quantized at load from the dummy bf16 ones, FP8 KV cache: add
       --quantization fp8 --kv-cache-dtype fp8_e4m3)
@@ -25,16 +25,13 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from app.protocol import NewSeq, SamplingParams, SeqChunk, StepPlan  # noqa: E402
+from app.protocol import NewSeq, SamplingParams, SeqChunk, StepPlan
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 

@@ -4,9 +4,8 @@ Public: Sampler (the portable torch sampler; torch_sampler.py lists the steps), 
 (`--sampling-backend greedy`), FlashInferSampler (`--sampling-backend flashinfer`: the portable
 sampler drawing with flashinfer's kernels, flashinfer_sampler.py), SamplerOutput, SamplerBackend
 (the interface they implement) and make_sampler. Logprobs are log_softmax of the logits after bias
-and penalties, before temperature and truncation (logprobs.py). app.sampling_checks.check_for_backend answers
-what a sampler's validate() would, without torch: attributes here load lazily so that importing
-validation stays torch-free.
+and penalties, before temperature and truncation (logprobs.py). app.sampling_checks answers what a sampler's validate() would, without torch (the
+tokenizer checks requests with it); attributes here load lazily.
 """
 
 from __future__ import annotations

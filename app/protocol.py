@@ -48,10 +48,28 @@ class SamplingParams:
     logprobs: bool = False  # return the sampled token's logprob
     top_logprobs: int = 0  # and this many alternatives per position
     no_stop_trim: bool = False  # keep the matched stop string in the output
+    grammar: GrammarSpec | None = None  # structured output: the output must match this (app/grammar)
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 1e-6
+
+
+@dataclass(slots=True)
+class GrammarSpec:
+    """A constraint on a request's output (structured output, app/grammar). The HTTP APIs set it from
+    response_format / json_schema / regex / ebnf / guided_*; code inside the server (tool calling) may set
+    it too. The tokenizer compiles it off the step loop and fills `compiled`; the worker's matcher runs that.
+
+    kind: one of app.grammar.KINDS: "json_schema" (value: the schema as JSON text), "json_object" (any JSON
+    object; value ignored), "regex", "ebnf" (GBNF-style, root rule `root`), "structural_tag" (value: an
+    XGrammar structural tag as JSON text). param: the request field it came from, named in errors.
+    """
+
+    kind: str
+    value: str = ""
+    param: str = ""
+    compiled: str = ""  # the serialized compiled grammar (tokenizer -> worker); empty until compiled
 
 
 # ---------------------------------------------------------------- http -> tokenizer
@@ -356,6 +374,7 @@ MESSAGE_TYPES: list[type] = [
     StartupPhase,
     EngineInfo,
     ToolCall,  # appended: the tags above are the wire contract
+    GrammarSpec,  # appended
 ]
 _TAG_OF: dict[type, int] = {cls: i for i, cls in enumerate(MESSAGE_TYPES)}
 _FIELDS: dict[type, tuple[str, ...]] = {

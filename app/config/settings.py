@@ -315,6 +315,13 @@ class Settings(BaseSettings):
         "scales, positions, sequence lengths). Takes "
         "effect on one GPU of compute capability 9.0 or newer (Hopper); elsewhere the kernels launch "
         "plainly.", APPLIANCE, origin="appliance")
+    grammar_compile_timeout: float = _f(
+        30.0, "Seconds a structured-output grammar (JSON schema, regex, EBNF) may take to compile; past it the "
+        "request waiting for it fails with 400 (the compile finishes in the background and is cached).",
+        APPLIANCE, origin="appliance", gt=0)
+    grammar_cache_size: int = _f(
+        64, "Compiled structured-output grammars kept by their text (least recently used go first); a "
+        "cached grammar costs a request no compile.", APPLIANCE, origin="appliance", ge=0)
     heartbeat_timeout: float = _f(
         30.0, "Seconds the http, tokenizer or scheduler process may go without a liveness heartbeat before the "
         "supervisor declares it wedged and stops the appliance (exit 1).", APPLIANCE, origin="appliance", gt=0)

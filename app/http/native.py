@@ -37,6 +37,7 @@ from app.http.sampling import (
 )
 from app.http.state import ServerState, server_state
 from app.http.streaming import JSON
+from app.http.structured import native_grammar
 from app.protocol import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, GenerateRequest, SamplingParams, TextDelta
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
@@ -63,6 +64,11 @@ class NativeSampling(StrictBody):
     sampling_seed: Seed | None = None  # SGLang's name for seed
     logit_bias: LogitBias | None = None
     n: int | None = None
+    # Structured output (SGLang's names; app/http/structured.py): one of them.
+    json_schema: Any = None
+    regex: Any = None
+    ebnf: Any = None
+    structural_tag: Any = None
 
     _top_k = field_validator("top_k")(check_top_k)
     _stop_shape = field_validator("stop", mode="before")(normalize_stop)
@@ -98,6 +104,8 @@ class NativeSampling(StrictBody):
             stop_token_ids=list(self.stop_token_ids or []),
             logprobs=logprobs,
             top_logprobs=top_logprobs,
+            grammar=native_grammar({"json_schema": self.json_schema, "regex": self.regex, "ebnf": self.ebnf,
+                                    "structural_tag": self.structural_tag}, param),
             **given,
         )
 

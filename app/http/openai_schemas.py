@@ -32,6 +32,7 @@ from app.http.sampling import (
     normalize_stop,
 )
 from app.http.tools import NamedToolChoice, ToolDef, check_tools, parse_tool_choice
+from app.http.structured import openai_grammar
 from app.protocol import SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
@@ -43,7 +44,6 @@ _NOT_BUILT_COMPLETIONS: dict[str, Callable[[Any], bool]] = {
 _NOT_BUILT_CHAT: dict[str, Callable[[Any], bool]] = {
     "functions": lambda v: v in (None, []),
     "function_call": lambda v: v in (None, "none"),
-    "response_format": lambda v: v is None or v == {"type": "text"},
     "audio": lambda v: v is None,
     "modalities": lambda v: v in (None, ["text"]),
     "prediction": lambda v: v is None,
@@ -129,6 +129,13 @@ class SamplingFields(StrictBody):
     include_stop_str_in_output: bool | None = None  # vLLM's name for keeping the matched stop string
     no_stop_trim: bool | None = None  # SGLang's
     spaces_between_special_tokens: bool | None = None
+    # Structured output (app/http/structured.py): OpenAI's response_format, or vLLM clients' fields.
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
     _top_k = field_validator("top_k")(check_top_k)
     _stop_shape = field_validator("stop", mode="before")(normalize_stop)
@@ -180,7 +187,13 @@ class SamplingFields(StrictBody):
             no_stop_trim=bool(self.include_stop_str_in_output or self.no_stop_trim),
             logprobs=top_logprobs is not None,
             top_logprobs=top_logprobs or 0,
+            grammar=self.grammar(),
         )
+
+    def grammar(self):
+        guided = {"guided_json": self.guided_json, "guided_regex": self.guided_regex,
+                  "guided_choice": self.guided_choice, "guided_grammar": self.guided_grammar}
+        return openai_grammar(self.response_format, guided, self.structured_outputs)
 
 
 def _or(value: Any, default: Any) -> Any:

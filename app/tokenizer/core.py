@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from app.grammar import check_request
 from app.protocol import (
     FINISH_ABORT,
     AbortRequest,
@@ -39,6 +40,7 @@ from app.sampling_checks import check_for_backend
 from app.tokenizer import tokenize_ops
 from app.tokenizer.answer import answer_parser, tool_parser_keeps_special_tokens
 from app.tokenizer.control_fanout import ControlFanOut
+from app.tokenizer.grammar import GrammarService
 from app.tokenizer.output import RequestOutput
 from app.tokenizer.prompt import PromptError, build_prompt, validate_prompt
 from app.tokenizer.router import Router
@@ -70,12 +72,15 @@ class TokenizerCore:
         router: Router | None = None,
         reasoning_parser: str | None = None,
         tool_call_parser: str | None = None,
+        grammar_cache_size: int = 64,
+        grammar_compile_timeout: float = 30.0,
     ) -> None:
         """tokenizer None means --skip-tokenizer-init: token-id prompts only, no text out.
         metrics: per-request metrics; without it they start with the engine when EngineReady says
         metrics are on (the supervisor puts enable_metrics and served_model_name in its info).
         router: spreads requests over the data-parallel replicas (default: one replica).
-        reasoning_parser, tool_call_parser: --reasoning-parser and --tool-call-parser (app/tokenizer/answer.py)."""
+        reasoning_parser, tool_call_parser: --reasoning-parser and --tool-call-parser (app/tokenizer/answer.py).
+        grammar_*: --grammar-cache-size and --grammar-compile-timeout (the defaults are Settings')."""
         self._tokenizer = tokenizer
         self._chat_template = chat_template
         self._stream_interval = stream_interval
@@ -87,6 +92,8 @@ class TokenizerCore:
         self._reasoning_parser = reasoning_parser
         self._tool_call_parser = tool_call_parser
         self._controls = ControlFanOut(self._router.num_replicas)
+        self._grammars = GrammarService(self._make_compiler, cache_size=grammar_cache_size,
+                                        timeout_s=grammar_compile_timeout)
         self._handlers = {
             EngineReady: self._on_engine_ready,
             GenerateRequest: self._on_generate,
@@ -107,6 +114,10 @@ class TokenizerCore:
     @property
     def router(self) -> Router:
         return self._router
+
+    @property
+    def grammars(self) -> GrammarService:
+        return self._grammars
 
     def handle(self, msg: Any) -> list[Outgoing]:
         handler = self._handlers.get(type(msg))
@@ -151,11 +162,69 @@ class TokenizerCore:
         except Exception as exc:  # a tokenizer failure must still answer the client
             logger.exception("tokenizer: failed to prepare request %s", req.rid)
             return [_error(req.rid, f"failed to tokenize the request: {exc}", 500)]
+        spec = req.sampling.grammar
+        if spec is not None:
+            return self._constrained(req, prompt, state)
+        return self._admit(req, prompt, state)
+
+    def _admit(self, req: GenerateRequest, prompt: list[int], state: RequestOutput) -> list[Outgoing]:
         self._requests[req.rid] = state
         replica = self._router.route(req.rid, prompt)
         if self._metrics is not None:
             self._metrics.admitted(req.rid, req.arrival_time, len(prompt))
         return [Outgoing(SCHEDULER, TokenizedRequest(req.rid, prompt, req.sampling, req.arrival_time), replica)]
+
+    # ------------------------------------------------------------ structured output
+
+    def _constrained(self, req: GenerateRequest, prompt: list[int], state: RequestOutput) -> list[Outgoing]:
+        """A request with a grammar goes on once its grammar is compiled (at once when cached)."""
+        spec = req.sampling.grammar
+        assert spec is not None
+        if self._tokenizer is None:
+            return [_error(req.rid, "structured output needs the tokenizer, which --skip-tokenizer-init "
+                           "disables", 400)]
+        problem = check_request(spec, req.sampling)
+        if problem is not None:
+            return [_error(req.rid, problem, 400)]
+        spec.compiled = ""  # only ever what this process compiled
+        outcome = self._grammars.lookup(spec)
+        if outcome is None:
+            self._requests[req.rid] = state
+            self._grammars.hold(req.rid, spec, (req, prompt))
+            return []
+        return self._compiled(req, prompt, state, outcome)
+
+    def _compiled(self, req: GenerateRequest, prompt: list[int], state: RequestOutput, outcome: Any) -> list[Outgoing]:
+        if outcome.error:
+            return [_error(req.rid, outcome.error, 400)]
+        assert req.sampling.grammar is not None
+        req.sampling.grammar.compiled = outcome.compiled
+        return self._admit(req, prompt, state)
+
+    def poll_grammars(self) -> list[Outgoing]:
+        """Requests whose grammar compile ended (or timed out) since the last poll: sent on, or failed."""
+        out: list[Outgoing] = []
+        for held, outcome in self._grammars.poll():
+            req, prompt = held.payload
+            state = self._requests.pop(req.rid, None)
+            if state is not None:
+                out.extend(self._compiled(req, prompt, state, outcome))
+        return out
+
+    def _make_compiler(self) -> Any:
+        """On the grammar thread, with the first grammar: XGrammar over the engine's vocabulary."""
+        from app.grammar.compiler import Compiler, tokenizer_info
+
+        assert self._engine is not None
+        eos = list(self._engine.get("eos_token_ids") or [])
+        return Compiler(tokenizer_info(self._tokenizer, self._engine["vocab_size"], eos))
+
+    def _release_held(self, rid: str) -> list[Outgoing]:
+        """An abort of a request still waiting for its compile: it ends here."""
+        if self._grammars.release(rid) is None:
+            return []
+        self._requests.pop(rid, None)
+        return [Outgoing(HTTP, TextDeltas([TextDelta(rid=rid, text="", token_ids=[], finish_reason=FINISH_ABORT)]))]
 
     def _prompt_of(self, req: GenerateRequest) -> list[int]:
         assert self._engine is not None
@@ -187,8 +256,9 @@ class TokenizerCore:
 
     def _on_abort(self, msg: AbortRequest) -> list[Outgoing]:
         if msg.abort_all:
-            return self._to_every_replica(msg)
-        return self._to_holder(msg.rid or "", msg)
+            held = [out for rid in list(self._grammars.held_rids()) for out in self._release_held(rid)]
+            return held + self._to_every_replica(msg)
+        return self._release_held(msg.rid or "") or self._to_holder(msg.rid or "", msg)
 
     def _on_control(self, msg: ControlRequest) -> list[Outgoing]:
         if msg.kind in tokenize_ops.KINDS:  # answered here: the tokenizer is in this process

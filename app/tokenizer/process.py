@@ -27,6 +27,7 @@ from app.tokenizer.router import Router
 logger = logging.getLogger(__name__)
 
 POLL_MS = 1000  # a bounded wait, so a signal is always seen promptly
+GRAMMAR_POLL_MS = 2  # while a request waits for its grammar's compile: how soon it goes on after it
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
@@ -76,7 +77,8 @@ def _build_core(settings: Any) -> tuple[TokenizerCore, EngineInfo]:
         logger.info("tokenizer: routing over %d data-parallel replicas (%s)", router.num_replicas, router.method)
     core = TokenizerCore(tokenizer, chat_template=chat_template, stream_interval=settings.stream_interval,
                          router=router, reasoning_parser=settings.reasoning_parser,
-                         tool_call_parser=settings.tool_call_parser)
+                         tool_call_parser=settings.tool_call_parser, grammar_cache_size=settings.grammar_cache_size,
+                         grammar_compile_timeout=settings.grammar_compile_timeout)
     return core, info
 
 
@@ -106,7 +108,10 @@ def _serve(core: TokenizerCore, inbox: zmq.Socket, outs: Outboxes,
     poller.register(inbox, zmq.POLLIN)
     while True:
         lifecycle.beat(heartbeat)
-        if not poller.poll(POLL_MS):
+        if core.grammars.pending:
+            for reply in core.poll_grammars():
+                outs.send(reply)
+        if not poller.poll(GRAMMAR_POLL_MS if core.grammars.pending else POLL_MS):
             continue
         try:
             msg = ipc.recv(inbox, zmq.NOBLOCK)

@@ -78,6 +78,7 @@ from app.worker.quantization import (
     resolve_quantization,
 )
 from app.worker.sampling import SamplerOutput, make_sampler
+from app.worker.sampling.grammar import Deferred, GrammarRows
 from app.worker.sampling.logprobs import DeviceLogprobs
 from app.worker.transfer import upload
 
@@ -163,6 +164,7 @@ class PendingStep:
     logprobs_host: torch.Tensor | None = None  # host copy of logprobs.packed
     copied: torch.cuda.Event | None = None  # recorded after the copies (CUDA); None: already on the host
     failed: dict[int, str] = field(default_factory=dict)  # sequences refused at launch: slot -> why
+    grammar: Deferred | None = None  # constrained rows whose matchers await these tokens
 
     def ready(self) -> bool:
         """Whether finish() would return without waiting for the device."""
@@ -225,6 +227,8 @@ class ModelRunner:
             self.max_num_seqs,
             seed=settings.seed,
         )
+        # Structured output (sampling/grammar.py): matchers live where the tokens are sampled, the TP leader.
+        self.grammar = GrammarRows(self._grammar_info, self.vocab_size, self.device, self.max_num_seqs)
         self.clock.enter("kernels")
         self.attention_backend_name = resolve_attention_backend(
             settings.attention_backend, self.device, self.dtype, self.model.attention_spec.head_dim
@@ -705,6 +709,10 @@ class ModelRunner:
         n = len(pending.slots)
         host = pending.readback.numpy()
         bad_rows = np.flatnonzero(host[n:]).tolist()
+        if pending.grammar is not None:  # a token its grammar refused fails its request as a bad row would
+            self.grammar.resolve(pending.grammar)
+            refused = set(pending.grammar.rejected)
+            bad_rows += [i for i, slot in enumerate(pending.slots) if slot in refused and i not in bad_rows]
         logprobs: list[TokenLogprobs | None] = []
         if pending.logprobs is not None and pending.logprobs_host is not None:
             rows = pending.logprobs.unpack(pending.logprobs_host.numpy(), n, bad_rows)
@@ -718,8 +726,21 @@ class ModelRunner:
             **failed,
         )
 
+    def _grammar_info(self) -> Any:
+        """XGrammar's view of the served tokenizer, built as the tokenizer process builds it."""
+        from app.grammar.compiler import tokenizer_info
+        from app.tokenizer.loader import load_tokenizer_from_settings
+
+        return tokenizer_info(load_tokenizer_from_settings(self.settings), self.vocab_size, self.eos_token_ids)
+
     def _register(self, seq: NewSeq) -> None:
         self.sampler.add_seq(seq.slot, seq.rid, seq.sampling, list(seq.prompt_ids), list(seq.output_ids))
+        if seq.sampling.grammar is not None and self.tp.leader:
+            try:
+                self.grammar.add(seq.slot, seq.sampling.grammar, list(seq.output_ids))
+            except Exception:
+                self.sampler.remove_seq(seq.slot)
+                raise
         s = self.slots
         s.active[seq.slot] = True
         s.has_token[seq.slot] = False
@@ -730,6 +751,7 @@ class ModelRunner:
     def _release(self, slot: int) -> None:
         if self.slots.active[slot]:
             self.sampler.remove_seq(slot)
+            self.grammar.remove(slot)
             self.slots.release(slot)
 
     def _layout(self, chunks: list[SeqChunk]) -> _Step:
@@ -773,6 +795,7 @@ class ModelRunner:
         if logits is None:
             return PendingStep(step=plan.step)
         # Sampling happens once, on the TP leader; the other ranks take its tokens (the next step's input).
+        constrained = self.grammar.mask(logits, step.sample_slots) if self.tp.leader else None
         out = self.sampler.sample(logits, step.sample_slots) if self.tp.leader else None
         token_ids = out.token_ids if out is not None else logits.new_empty(len(step.sample_slots), dtype=torch.int64)
         self.tp.broadcast(token_ids)
@@ -781,7 +804,12 @@ class ModelRunner:
             s.has_token[slot] = True
         if out is None:
             return PendingStep(step=plan.step)
-        return self._read_back(plan.step, step.sample_slots, out)
+        pending = self._read_back(plan.step, step.sample_slots, out)
+        if constrained is not None:
+            constrained.read = lambda: _host_tokens(pending)
+            self.grammar.expect(constrained)
+            pending.grammar = constrained
+        return pending
 
     def _read_back(self, step: int, slots: list[int], out: SamplerOutput) -> PendingStep:
         """Start copying the sampled ids, bad-row flags and logprobs to the host (on the CPU: keep them)."""
@@ -883,6 +911,8 @@ class ModelRunner:
                 f"slot {seq.slot}: num_cached_tokens {seq.num_cached_tokens} is not covered by "
                 f"{len(seq.block_ids)} blocks"
             )
+        if seq.sampling.grammar is not None and not seq.sampling.grammar.compiled:
+            return "its grammar was not compiled (the tokenizer process compiles grammars)"
         return self.sampler.validate(seq.sampling) or self._check_ids(seq.prompt_ids) or self._check_ids(seq.output_ids)
 
     def _check_ids(self, token_ids: list[int]) -> str | None:
@@ -920,6 +950,16 @@ class ModelRunner:
                 f"slot {chunk.slot}: context of {end} tokens exceeds max_model_len {self.max_model_len}"
             )
         return error
+
+
+def _host_tokens(pending: PendingStep) -> tuple[np.ndarray, np.ndarray]:
+    """A launched step's sampled ids and bad-row flags on the host, waiting for its copy if need be."""
+    if pending.copied is not None:
+        pending.copied.synchronize()
+    assert pending.readback is not None
+    host = pending.readback.numpy()
+    n = len(pending.slots)
+    return host[:n], host[n:]
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:

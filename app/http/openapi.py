@@ -154,7 +154,7 @@ SCHEMA_OVERRIDES: dict[str, dict[str, dict[str, Any]]] = {
 # (app.http.openai_schemas refuses any other value by name).
 NOT_BUILT_VALUES: dict[str, list[Any]] = {
     "suffix": [None, ""], "functions": [None, []],
-    "function_call": [None, "none"], "response_format": [None, {"type": "text"}],
+    "function_call": [None, "none"],
     "audio": [None], "modalities": [None, ["text"]], "prediction": [None], "reasoning_effort": [None],
     "service_tier": [None, "auto", "default"], "store": [None, False], "metadata": [None],
     "web_search_options": [None], "prompt_cache_key": [None], "prompt_cache_options": [None],

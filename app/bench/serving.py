@@ -112,6 +112,7 @@ def request_body(args: argparse.Namespace, prompt: Any, output_len: int) -> tupl
         "stream_options": {"include_usage": True},
         "ignore_eos": args.ignore_eos,
         "min_tokens": output_len if args.ignore_eos else 0,
+        **args.extra_body,
     }
     if args.endpoint == "chat":
         text = prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
@@ -300,6 +301,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", default=None)
     parser.add_argument("--allow-failures", action="store_true",
                         help="exit 0 even when some requests failed (not when none completed)")
+    parser.add_argument("--extra-body", type=json.loads, default={},
+                        help="a JSON object merged into every request body (e.g. a response_format; a grammar "
+                        "needs --no-ignore-eos)")
     return parser.parse_args(argv)
 
 

@@ -168,9 +168,22 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tenso
     """logits[rows[i], t] = -inf wherever bit t of bitmask[i] is 0 (XGrammar's layout: 32 tokens per
     int32, lowest bit first). Device work only, no host sync."""
     width = logits.shape[1]
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :width]
+    # Each byte of the (little-endian) words picks its 8 flags from a 256-row table: one gather.
+    table = _byte_bits(bitmask.device)
+    allowed = table[bitmask.contiguous().view(torch.uint8).long()].flatten(1)[:, :width]
     if allowed.shape[1] < width:  # logits wider than the bitmask: the extra ids are never allowed
         allowed = torch.nn.functional.pad(allowed, (0, width - allowed.shape[1]), value=False)
     picked = logits.index_select(0, rows)
     logits.index_copy_(0, rows, picked.masked_fill_(~allowed, float("-inf")))
+
+
+_BYTE_BITS: dict[torch.device, torch.Tensor] = {}
+
+
+def _byte_bits(device: torch.device) -> torch.Tensor:
+    """[256, 8] bool: the bits of each byte value, lowest first."""
+    table = _BYTE_BITS.get(device)
+    if table is None:
+        values = torch.arange(256, dtype=torch.int32)
+        table = _BYTE_BITS[device] = ((values.unsqueeze(1) >> torch.arange(8, dtype=torch.int32)) & 1).bool().to(device)
+    return table

@@ -216,8 +216,7 @@ class TokenizerCore:
         from app.grammar.compiler import Compiler, tokenizer_info
 
         assert self._engine is not None
-        eos = list(self._engine.get("eos_token_ids") or [])
-        return Compiler(tokenizer_info(self._tokenizer, self._engine["vocab_size"], eos))
+        return Compiler(tokenizer_info(self._tokenizer, self._engine.vocab_size, list(self._engine.eos_token_ids)))
 
     def _release_held(self, rid: str) -> list[Outgoing]:
         """An abort of a request still waiting for its compile: it ends here."""

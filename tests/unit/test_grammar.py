@@ -19,6 +19,7 @@ from app.http.errors import APIError
 from app.http.structured import native_grammar, openai_grammar
 from app.protocol import (
     AbortRequest,
+    EngineInfo,
     EngineReady,
     GenerateRequest,
     GrammarSpec,
@@ -271,7 +272,7 @@ def test_service_errors_and_timeouts_fail_only_their_request() -> None:
 
 def test_tokenizer_holds_a_request_until_its_grammar_compiles(tok) -> None:
     core = TokenizerCore(tok)
-    core.handle(EngineReady({"max_model_len": 64, "vocab_size": VOCAB, "eos_token_ids": [EOS]}))
+    core.handle(EngineReady(engine=EngineInfo(max_model_len=64, vocab_size=VOCAB, eos_token_ids=[EOS])))
     spec = GrammarSpec("regex", "(ab)+", "sampling_params.regex")
     req = GenerateRequest(rid="r1", sampling=SamplingParams(grammar=spec), text="Hello")
     assert core.handle(req) == [] and core.num_live_requests == 1

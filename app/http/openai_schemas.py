@@ -31,8 +31,8 @@ from app.http.sampling import (
     logit_bias_ids,
     normalize_stop,
 )
-from app.http.tools import NamedToolChoice, ToolDef, check_tools, parse_tool_choice
 from app.http.structured import openai_grammar
+from app.http.tools import NamedToolChoice, ToolDef, check_tools, parse_tool_choice
 from app.protocol import SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default

@@ -2,7 +2,7 @@
 """Structured output's cost: the decode step with every row constrained by a JSON schema against the same
 step unconstrained, and the compile of a typical 20-field schema, first and cached.
 
-In process, like scripts/bench_latency.py (no scheduler, no HTTP). For each batch size B, B prompts of
+In process, like `tokenspeed bench latency` (no scheduler, no HTTP). For each batch size B, B prompts of
 --input-len random tokens are prefilled, then --steps decode steps run pipelined as the worker runs them
 (launch step N+1, then finish step N: app/worker/process.py), greedy; once with no grammar and once with
 every row matching the 20-field schema (app/worker/sampling/grammar.py masks the rows before sampling).
@@ -37,11 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
+from app.bench.latency import add_common_flags, make_runner, prefill, runner_settings, sync  # noqa: E402
 from app.grammar.cache import GrammarCache, Outcome  # noqa: E402
 from app.grammar.compiler import Compiler, tokenizer_info  # noqa: E402
 from app.protocol import GrammarSpec, NewSeq, SamplingParams, SeqChunk, StepPlan  # noqa: E402
 from app.worker.sampling.grammar import GrammarRows  # noqa: E402
-from scripts.bench_latency import add_common_flags, make_runner, prefill, runner_settings, sync  # noqa: E402
 
 FIELD_TYPES = [{"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"},
                {"type": "string", "enum": ["low", "medium", "high"]}]

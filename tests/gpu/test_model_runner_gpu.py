@@ -58,7 +58,8 @@ def settings(model_dir: Path, **overrides: Any) -> SimpleNamespace:
     return SimpleNamespace(**fields)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+# The MoE families run kernels/moe.py here (float32: IEEE dots).
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "mixtral"])
 def test_cuda_float32_greedy_matches_transformers(arch: str, tmp_path: Path) -> None:
     model_dir = build_tiny_model(arch, tmp_path, seed=2)
     runner = ModelRunner(settings(model_dir, dtype="float32", block_size=4), CUDA)

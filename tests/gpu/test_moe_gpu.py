@@ -106,26 +106,6 @@ def test_cuda_graph_replays_eager(tokens: int) -> None:
     assert eager.shape == (tokens, 2048)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
-def test_cuda_float32_greedy_matches_transformers(arch: str, tmp_path) -> None:  # noqa: ANN001
-    """The kernels in float32 (IEEE dots) through the runner with CUDA graphs: token for token."""
-    from app.worker.model_runner import ModelRunner
-    from tests.gpu.test_model_runner_gpu import settings
-    from tests.support.model_factory import build_tiny_model
-    from tests.unit.test_model_runner import Request, ScriptedScheduler, hf_greedy, prompts_for
-
-    model_dir = build_tiny_model(arch, tmp_path, seed=2)
-    runner = ModelRunner(settings(model_dir, dtype="float32", block_size=4), CUDA)
-    runner.warmup()
-    prompts = prompts_for(runner.vocab_size, [5, 41, 12])
-    sched = ScriptedScheduler(runner)
-    for i, prompt in enumerate(prompts):
-        sched.add(Request(f"r{i}", prompt, max_new=32, join_step=3 * i))
-    outputs = sched.run()
-    for i, prompt in enumerate(prompts):
-        assert outputs[f"r{i}"] == hf_greedy(model_dir, prompt, 32, device="cuda"), f"r{i}"
-
-
 def test_cuda_bfloat16_logits_close_to_transformers(tmp_path) -> None:  # noqa: ANN001
     """bf16: the first greedy token is (near) transformers' best, the dense models' tolerance."""
     from app.protocol import NewSeq, SamplingParams, SeqChunk, StepPlan

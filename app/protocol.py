@@ -49,6 +49,9 @@ class SamplingParams:
     top_logprobs: int = 0  # and this many alternatives per position
     no_stop_trim: bool = False  # keep the matched stop string in the output
     grammar: GrammarSpec | None = None  # structured output: the output must match this (app/grammar)
+    # Prompt logprobs: -1 none; else the index of the first prompt token whose logprob is reported (token 0
+    # has none: nothing predicts it), with top_logprobs alternatives. Computed in the prefill's forward.
+    prompt_logprob_start: int = -1
 
     @property
     def greedy(self) -> bool:
@@ -196,6 +199,9 @@ class StepResult:
     # fails alone with failed_errors[i]; the worker holds nothing for them (the scheduler frees the KV).
     failed_slots: list[int] = field(default_factory=list)
     failed_errors: list[str] = field(default_factory=list)
+    # Prompt logprobs computed in this step: prompt_logprobs[i] continues prompt_slots[i]'s list, in order.
+    prompt_slots: list[int] = field(default_factory=list)
+    prompt_logprobs: list[list[TokenLogprobs]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -226,6 +232,9 @@ class TokenDelta:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     error: str | None = None
     error_code: int = 0  # HTTP status for errors (400 bad request, 500 engine failure)
+    # The prompt's logprobs (SamplingParams.prompt_logprob_start on), on the first output token's delta:
+    # one per prompt token from max(start, 1) to the end; sent once, preemptions included.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -253,6 +262,11 @@ class TextDelta:
     prompt_text: str | None = None  # likewise (echo needs the text of token-id prompts)
     reasoning_text: str = ""  # new reasoning since the last delta (--reasoning-parser); text is the answer
     tool_calls: list[ToolCall] = field(default_factory=list)  # calls completed since the last delta
+    # Prompt logprobs (first delta only; as TokenDelta.prompt_logprobs) and, with them, the text of every
+    # prompt token and of each position's alternatives.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_token_texts: list[str] = field(default_factory=list)
+    prompt_top_token_texts: list[list[str]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

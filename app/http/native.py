@@ -124,9 +124,9 @@ class GenerateBody(StrictBody):
 
     @field_validator("logprob_start_len")
     @classmethod
-    def _no_prompt_logprobs(cls, value: int | None) -> int | None:
-        if value not in (None, -1):
-            raise ValueError("prompt logprobs are not supported: only -1 (none) is accepted")
+    def _start_len(cls, value: int | None) -> int | None:
+        if value is not None and value < -1:
+            raise ValueError("must be -1 (no prompt logprobs) or the first prompt position to report (>= 0)")
         return value
 
     @field_validator("lora_path")
@@ -195,7 +195,10 @@ def _sampling(body: GenerateBody, size: int, batch: bool, vocab_size: int | None
     out = []
     for item, path in zip(raw, paths, strict=True):
         parsed = validate(NativeSampling, item, path)
-        out.append(parsed.to_params(vocab_size, path, body.return_logprob, body.top_logprobs_num))
+        sampling = parsed.to_params(vocab_size, path, body.return_logprob, body.top_logprobs_num)
+        if body.return_logprob and body.logprob_start_len is not None:
+            sampling.prompt_logprob_start = body.logprob_start_len  # -1: none
+        out.append(sampling)
     return out
 
 
@@ -223,6 +226,7 @@ class NativeView:
     return_logprob: bool
     top_logprobs_num: int
     text_in_logprobs: bool
+    logprob_start_len: int = -1  # -1: no prompt logprobs
 
     def meta_info(self, index: int, delta: TextDelta) -> dict[str, Any]:
         meta: dict[str, Any] = {
@@ -248,6 +252,29 @@ class NativeView:
                 tops.append([[v, t, names[j] if self.text_in_logprobs and j < len(names) else None]
                              for j, (t, v) in enumerate(zip(lp.top_ids, lp.top_logprobs, strict=False))])
             out["output_top_logprobs"] = tops
+        if self.logprob_start_len >= 0 and delta.prompt_ids:  # the first delta: it carries them
+            out.update(self._input_logprobs(delta))
+        return out
+
+    def _input_logprobs(self, delta: TextDelta) -> dict[str, Any]:
+        """SGLang's input_token_logprobs ([logprob, id, text-or-None] per prompt token from logprob_start_len
+        on; the first prompt token's logprob is None: nothing predicts it) and input_top_logprobs."""
+        ids = delta.prompt_ids
+        first = len(ids) - len(delta.prompt_logprobs)  # the position of the first logprob
+        texts = delta.prompt_token_texts if self.text_in_logprobs else []
+        tokens, tops = [], []
+        for i in range(min(self.logprob_start_len, len(ids)), len(ids)):
+            lp = delta.prompt_logprobs[i - first] if i >= first else None
+            tokens.append([lp.logprob if lp else None, ids[i], texts[i] if i < len(texts) else None])
+            if lp is None:
+                tops.append(None)
+                continue
+            names = delta.prompt_top_token_texts[i - first] if self.text_in_logprobs else []
+            tops.append([[v, t, names[j] if j < len(names) else None]
+                         for j, (t, v) in enumerate(zip(lp.top_ids, lp.top_logprobs, strict=False))])
+        out: dict[str, Any] = {"input_token_logprobs": tokens}
+        if self.top_logprobs_num:
+            out["input_top_logprobs"] = tops
         return out
 
     def item(self, index: int, delta: TextDelta, text: str) -> dict[str, Any]:
@@ -292,11 +319,15 @@ async def generate(request: Request) -> Response:
     samplings = _sampling(body, len(prompts), batch, vocab_size)
     if body.top_logprobs_num and not body.return_logprob:
         raise bad_request("'top_logprobs_num' needs 'return_logprob' to be true", param="top_logprobs_num")
+    if _or_none(body.logprob_start_len) >= 0 and not body.return_logprob:
+        raise bad_request("'logprob_start_len' needs 'return_logprob' to be true", param="logprob_start_len")
     now = time.time()
-    requests = [GenerateRequest(rid=rid, sampling=sampling, stream=body.stream, arrival_time=now, **fields)
+    prompt_lp = body.return_logprob and _or_none(body.logprob_start_len) >= 0  # needs the prompt's ids back
+    requests = [GenerateRequest(rid=rid, sampling=sampling, stream=body.stream, arrival_time=now,
+                                return_prompt_ids=prompt_lp, **fields)
                 for rid, sampling, fields in zip(rids, samplings, prompts, strict=True)]
     view = NativeView(rids, batch, now, state, body.return_logprob, body.top_logprobs_num,
-                      body.return_text_in_logprobs)
+                      body.return_text_in_logprobs, _or_none(body.logprob_start_len))
     log_rid = rids[0] if len(rids) == 1 else f"{rids[0]}..(+{len(rids) - 1})"
     state.request_log.received(log_rid, "/generate", [p.get("text", p.get("input_ids")) for p in prompts],
                                samplings[0], {"stream": body.stream, "batch": len(rids)})
@@ -308,3 +339,7 @@ async def generate(request: Request) -> Response:
 
 
 ROUTES = [Route("/generate", generate, methods=["POST"])]
+
+
+def _or_none(start: int | None) -> int:
+    return -1 if start is None else start

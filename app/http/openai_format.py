@@ -85,6 +85,37 @@ def chat_logprobs(delta: TextDelta, top_k: int) -> dict[str, Any]:
     return {"content": content, "refusal": None}
 
 
+def prompt_completion_logprobs(delta: TextDelta) -> dict[str, Any]:
+    """The echoed prompt's part of completions logprobs (vLLM's shape): every prompt token, its logprob
+    (None for the first: nothing predicts it) and alternatives; text offsets from 0."""
+    ids = delta.prompt_ids
+    texts = delta.prompt_token_texts if len(delta.prompt_token_texts) == len(ids) else [f"token_id:{t}" for t in ids]
+    skip = len(ids) - len(delta.prompt_logprobs)  # the tokens without a logprob: the first one
+    logprobs: list[float | None] = [None] * skip
+    tops: list[dict[str, float] | None] = [None] * skip
+    for i, lp in enumerate(delta.prompt_logprobs):
+        names = delta.prompt_top_token_texts[i] if i < len(delta.prompt_top_token_texts) else []
+        if len(names) != len(lp.top_ids):
+            names = [f"token_id:{t}" for t in lp.top_ids]
+        top: dict[str, float] = {}
+        for name, value in zip(names, lp.top_logprobs, strict=True):
+            top.setdefault(name, value)  # most likely first: it keeps a shared name
+        top.setdefault(texts[skip + i], lp.logprob)
+        logprobs.append(lp.logprob)
+        tops.append(top)
+    offsets, at = [], 0
+    for text in texts:
+        offsets.append(at)
+        at += len(text)
+    return {"tokens": list(texts), "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _with_prompt(prompt: dict[str, Any] | None, output: dict[str, Any]) -> dict[str, Any]:
+    if prompt is None:
+        return output
+    return {key: prompt[key] + output[key] for key in output}
+
+
 # ---------------------------------------------------------------- completions
 
 
@@ -100,6 +131,8 @@ def completion_response(meta: ResponseMeta, finals: list[TextDelta], prompts: li
     for i, delta in enumerate(finals):
         prefix = echo_text(delta, prompts[i // meta.n]) if echo else ""
         lp = CompletionLogprobs(len(prefix)).format(delta) if logprobs is not None else None
+        if lp is not None and echo:
+            lp = _with_prompt(prompt_completion_logprobs(delta), lp)
         choices.append({"index": i, "text": prefix + delta.text, "logprobs": lp,
                         "finish_reason": delta.finish_reason})
     return {**meta.head("text_completion"), "choices": choices, "usage": usage(meta, finals)}
@@ -160,13 +193,17 @@ class CompletionStream(_StreamBase):
     def on_delta(self, index: int, delta: TextDelta) -> list[dict[str, Any]]:
         self.note(index, delta)
         text = delta.text
+        prompt_lp = None
         if not self.started[index]:
             self.started[index] = True
             if self.echo:
                 prefix = echo_text(delta, self.prompts[index // self.meta.n])
                 text = prefix + text
                 self.lp_state[index].offset = len(prefix)
+                prompt_lp = prompt_completion_logprobs(delta) if self.logprobs is not None else None
         lp = self.lp_state[index].format(delta) if self.logprobs is not None else None
+        if lp is not None:
+            lp = _with_prompt(prompt_lp, lp)
         if not text and not delta.logprobs and delta.finish_reason is None:
             return []
         choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": delta.finish_reason}

@@ -253,13 +253,14 @@ def parse_completion(body: dict[str, Any], vocab_size: int | None) -> tuple[Comp
     n = parsed.n or 1
     if parsed.best_of is not None and parsed.best_of != n:
         raise unsupported("best_of", "only best_of equal to n is supported")
-    if parsed.echo and parsed.logprobs is not None:
-        raise unsupported("echo", "echo with logprobs needs prompt logprobs, which this server does not compute")
     for i, prompt in enumerate(parsed.prompts):
         if isinstance(prompt, list):
             check_token_ids(prompt, vocab_size, "prompt" if len(parsed.prompts) == 1 else f"prompt[{i}]")
     max_tokens = _or(parsed.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS)
-    return parsed, parsed.sampling(vocab_size, max_tokens, parsed.logprobs)
+    sampling = parsed.sampling(vocab_size, max_tokens, parsed.logprobs)
+    if parsed.echo and parsed.logprobs is not None:  # the echoed prompt's logprobs come first, as in vLLM
+        sampling.prompt_logprob_start = 0
+    return parsed, sampling
 
 
 # ---------------------------------------------------------------- chat

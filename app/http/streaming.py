@@ -104,7 +104,7 @@ def copy_delta(delta: TextDelta) -> TextDelta:
     return dataclasses.replace(
         delta, token_ids=list(delta.token_ids), logprobs=list(delta.logprobs),
         token_texts=list(delta.token_texts), top_token_texts=list(delta.top_token_texts),
-        tool_calls=list(delta.tool_calls),
+        tool_calls=list(delta.tool_calls), prompt_logprobs=list(delta.prompt_logprobs),
     )
 
 
@@ -124,6 +124,10 @@ def absorb(acc: TextDelta, delta: TextDelta) -> None:
         acc.prompt_ids = delta.prompt_ids
     if acc.prompt_text is None:
         acc.prompt_text = delta.prompt_text
+    if delta.prompt_logprobs:  # they come once, on the first delta
+        acc.prompt_logprobs = list(delta.prompt_logprobs)
+        acc.prompt_token_texts = delta.prompt_token_texts
+        acc.prompt_top_token_texts = delta.prompt_top_token_texts
 
 
 class Outputs:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from app.protocol import SamplingParams
+from app.protocol import SamplingParams, TokenLogprobs
 
 
 class Status(enum.Enum):
@@ -49,6 +49,10 @@ class Request:
     # False once its KV mixes weight versions (weights changed while it ran): its blocks then stay
     # out of the prefix cache. Reset when it is (re)admitted and recomputed from scratch.
     cacheable: bool = True
+    # Prompt logprobs (sampling.prompt_logprob_start >= 0) collected so far, from the first wanted token on;
+    # sent with the first output token. Kept across preemptions: a re-admission asks only for the rest.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -73,6 +77,14 @@ class Request:
     def num_promised(self) -> int:
         """Output tokens generated or being generated."""
         return len(self.output_ids) + self.num_pending_samples
+
+    def prompt_logprob_next(self) -> int:
+        """The first prompt token whose logprob is still to compute (-1: none is): the worker's start."""
+        start = self.sampling.prompt_logprob_start
+        if start < 0:
+            return -1
+        nxt = max(start, 1) + len(self.prompt_logprobs)
+        return nxt if nxt < len(self.prompt_ids) else -1
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         n_prompt = len(self.prompt_ids)

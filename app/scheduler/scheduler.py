@@ -15,11 +15,15 @@ two steps in flight). A decode fed by a token still being sampled carries no tok
 worker feeds the token it sampled itself. A request that turns out to have finished at step N
 wastes its slot in step N+1 (that result is ignored); length limits are known ahead and never
 over-scheduled.
+Prompt logprobs: a request that asks takes no prefix-cache hit past the first position they need (a
+cached prefix has no hidden states: it is recomputed); the worker's per-step lists are collected and
+sent once, with the first output token; after a preemption only the missing ones are asked again.
 No torch here: the scheduler reasons about token ids and block ids only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -238,6 +242,9 @@ class Scheduler:
             req = self.waiting[0]
             tokens = req.token_slice(0, req.num_tokens)
             cached = self.kv.match_prefix(tokens)
+            wanted = req.prompt_logprob_next()
+            if wanted >= 0:  # a cached prefix has no hidden states: recompute from the first wanted position
+                cached = cached[: max(wanted - 1, 0) // cfg.block_size]
             n_cached = len(cached) * cfg.block_size
             n = min(req.num_tokens - n_cached, budget)
             if not cfg.chunking and n < req.num_tokens - n_cached:
@@ -265,7 +272,7 @@ class Scheduler:
                 p.NewSeq(
                     slot=req.slot,
                     rid=req.rid,
-                    sampling=req.sampling,
+                    sampling=_with_prompt_start(req.sampling, wanted),
                     num_prompt_tokens=n_prompt,
                     block_ids=list(req.block_ids),
                     num_cached_tokens=n_cached,
@@ -356,6 +363,10 @@ class Scheduler:
                 req.prefill_done_time = now
             self._register_full_blocks(req)
         bad = set(result.bad_slots)
+        for slot, lps in zip(result.prompt_slots, result.prompt_logprobs, strict=True):
+            owner = next((req for req, _, _ in live if req.slot == slot), None)
+            if owner is not None and owner.status is Status.RUNNING:
+                owner.prompt_logprobs += lps
         expected = {req.slot: req for req, _, sample in live if sample}
         logprobs = result.logprobs or [None] * len(result.slots)
         for slot, token, lp in zip(result.slots, result.token_ids, logprobs, strict=True):
@@ -386,6 +397,8 @@ class Scheduler:
         req.first_token_time = req.first_token_time or now
         reason, matched = self._stop_reason(req, token)
         delta = self._delta(req, [token], [lp] if lp is not None else [])
+        if req.sampling.prompt_logprob_start >= 0 and not req.prompt_logprobs_sent:
+            delta.prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
         if reason is not None:
             delta.finish_reason, delta.matched_stop = reason, matched
             self._finish(req, now, reason)
@@ -507,3 +520,10 @@ class Scheduler:
             "num_blocks": self.config.num_blocks,
             "num_preemptions": self.num_preemptions,
         }
+
+
+def _with_prompt_start(sampling: p.SamplingParams, wanted: int) -> p.SamplingParams:
+    """The sampling the worker gets: prompt logprobs from `wanted` on (none once all are in)."""
+    if sampling.prompt_logprob_start == wanted:
+        return sampling
+    return dataclasses.replace(sampling, prompt_logprob_start=wanted)

@@ -56,6 +56,7 @@ class RequestOutput:
         self._stream = stream
         self._interval = max(1, stream_interval)
         self._prompt_ids = prompt_ids if return_prompt_ids else None
+        self._prompt = prompt_ids  # the texts of its tokens go with prompt logprobs
         self._detok = None
         self._stop = None
         if tokenizer is not None:
@@ -71,9 +72,11 @@ class RequestOutput:
         self._pending = _Pending()
         self._sent_any = False
         self._since_sent = 0
+        self._prompt_logprobs: list[TokenLogprobs] = []  # held until the next TextDelta goes out
 
     def on_delta(self, delta: TokenDelta) -> DeltaResult:
         ids = list(delta.token_ids)
+        self._prompt_logprobs += delta.prompt_logprobs
         text, used, matched = self._text_of(ids, delta)
         self._add_text(text, final=matched is not None or delta.finish_reason is not None)
         self._pending.token_ids.extend(ids[:used])
@@ -167,9 +170,17 @@ class RequestOutput:
             out.prompt_ids = list(self._prompt_ids)
             if self._tokenizer is not None:
                 out.prompt_text = self._tokenizer.decode(self._prompt_ids, skip_special_tokens=False)
+        if self._prompt_logprobs:
+            self._add_prompt_logprobs(out)
         self._sent_any = True
         self._since_sent = 0
         return out
+
+    def _add_prompt_logprobs(self, out: TextDelta) -> None:
+        out.prompt_logprobs, self._prompt_logprobs = self._prompt_logprobs, []
+        if self._tokenizer is not None:
+            out.prompt_token_texts = token_texts(self._tokenizer, self._prompt)
+            out.prompt_top_token_texts = [token_texts(self._tokenizer, lp.top_ids) for lp in out.prompt_logprobs]
 
     def _final_delta(self, delta: TokenDelta) -> TextDelta:
         out = self._take(delta)

@@ -80,6 +80,7 @@ from app.worker.quantization import (
 from app.worker.sampling import SamplerOutput, make_sampler
 from app.worker.sampling.grammar import Deferred, GrammarRows
 from app.worker.sampling.logprobs import DeviceLogprobs
+from app.worker.sampling.prompt_logprobs import PromptLogprobs, PromptRows, PromptWant
 from app.worker.transfer import upload
 
 logger = logging.getLogger(__name__)
@@ -150,6 +151,7 @@ class _Step:
     decode_slots: list[int] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
     sample_slots: list[int] = field(default_factory=list)
+    prompt: PromptRows = field(default_factory=PromptRows)  # rows whose prompt logprobs are asked
 
 
 @dataclass
@@ -165,6 +167,7 @@ class PendingStep:
     copied: torch.cuda.Event | None = None  # recorded after the copies (CUDA); None: already on the host
     failed: dict[int, str] = field(default_factory=dict)  # sequences refused at launch: slot -> why
     grammar: Deferred | None = None  # constrained rows whose matchers await these tokens
+    prompt: PromptLogprobs | None = None  # prompt logprobs computed in this step (TP leader)
 
     def ready(self) -> bool:
         """Whether finish() would return without waiting for the device."""
@@ -261,6 +264,7 @@ class ModelRunner:
             self.max_num_seqs, math.ceil(self.max_model_len / self.block_size), self.device
         )
         self._refused: set[int] = set()  # slots whose sequence was refused, until the scheduler frees them
+        self._prompt_want: dict[int, PromptWant] = {}  # slots whose prompt logprobs are asked
         self.clock.enter("graph_capture")
         self.graphs = self._capture_graphs()
         self.pieces = self._capture_pieces()
@@ -701,9 +705,11 @@ class ModelRunner:
 
     def finish(self, pending: PendingStep) -> StepResult:
         """Wait for a launched step's results and build its StepResult."""
-        failed = {"failed_slots": list(pending.failed), "failed_errors": list(pending.failed.values())}
+        extra: dict[str, Any] = {"failed_slots": list(pending.failed), "failed_errors": list(pending.failed.values())}
+        if pending.prompt is not None:
+            extra["prompt_slots"], extra["prompt_logprobs"] = pending.prompt.read()
         if pending.readback is None:
-            return StepResult(step=pending.step, **failed)
+            return StepResult(step=pending.step, **extra)
         if pending.copied is not None:
             pending.copied.synchronize()
         n = len(pending.slots)
@@ -723,7 +729,7 @@ class ModelRunner:
             token_ids=host[:n].tolist(),
             logprobs=logprobs,
             bad_slots=[pending.slots[i] for i in bad_rows],
-            **failed,
+            **extra,
         )
 
     def _grammar_info(self) -> Any:
@@ -747,18 +753,24 @@ class ModelRunner:
         s.num_blocks[seq.slot] = len(seq.block_ids)
         s.write_blocks([(seq.slot, 0, list(seq.block_ids))])
         s.set_lengths([seq.slot], [seq.num_cached_tokens])
+        if seq.sampling.prompt_logprob_start >= 0:
+            self._prompt_want[seq.slot] = PromptWant.of(seq)
 
     def _release(self, slot: int) -> None:
         if self.slots.active[slot]:
             self.sampler.remove_seq(slot)
             self.grammar.remove(slot)
             self.slots.release(slot)
+            self._prompt_want.pop(slot, None)
 
     def _layout(self, chunks: list[SeqChunk]) -> _Step:
         step = _Step()
         for chunk in chunks:
             row = len(step.token_ids)
             if chunk.token_ids:
+                want = self._prompt_want.get(chunk.slot)
+                if want is not None:  # before the chunk's tokens: row is its first row
+                    step.prompt.add(want, chunk.slot, row, self.slots.seq_len[chunk.slot], len(chunk.token_ids))
                 step.token_ids += chunk.token_ids
             else:
                 step.token_ids.append(0)
@@ -788,12 +800,13 @@ class ModelRunner:
             for slot, length in zip(step.slots, step.seq_lens, strict=True):
                 s.seq_len[slot] = length  # the graph's own buffers get the lengths on the device
             logits = self.graphs.run(step.slots, step.seq_lens, s.block_tables, s.last_token)
+            prompt = None  # decode rows only: no prompt position
         else:
-            logits = self._eager_logits(step)
+            logits, prompt = self._eager_logits(step)
         for chunk in plan.chunks:  # fed tokens supersede a sampled one; sampling below sets it again
             s.has_token[chunk.slot] = False
         if logits is None:
-            return PendingStep(step=plan.step)
+            return PendingStep(step=plan.step, prompt=prompt)
         # Sampling happens once, on the TP leader; the other ranks take its tokens (the next step's input).
         constrained = self.grammar.mask(logits, step.sample_slots) if self.tp.leader else None
         out = self.sampler.sample(logits, step.sample_slots) if self.tp.leader else None
@@ -805,6 +818,7 @@ class ModelRunner:
         if out is None:
             return PendingStep(step=plan.step)
         pending = self._read_back(plan.step, step.sample_slots, out)
+        pending.prompt = prompt
         if constrained is not None:
             constrained.read = lambda: _host_tokens(pending)
             self.grammar.expect(constrained)
@@ -831,8 +845,9 @@ class ModelRunner:
             and self.graphs.size_for(len(step.slots)) is not None
         )
 
-    def _eager_logits(self, step: _Step) -> torch.Tensor | None:
-        """Run the step's flat batch eagerly; logits of the rows that sample (None if none does)."""
+    def _eager_logits(self, step: _Step) -> tuple[torch.Tensor | None, PromptLogprobs | None]:
+        """Run the step's flat batch eagerly: logits of the rows that sample (None if none does) and the
+        prompt logprobs of the rows that ask (None if none does), from the same hidden states."""
         s = self.slots
         # One upload for every index of the step (no host sync): split into its parts on the device.
         parts = [step.token_ids, step.decode_rows, step.decode_slots, step.slots, step.sample_rows]
@@ -855,9 +870,11 @@ class ModelRunner:
             hidden = self.pieces.run(input_ids, batch, meta)
         else:
             hidden = self.model(input_ids, batch.positions, meta)
+        # Before the sampled rows' logits: a piecewise run's hidden is a static buffer, read it now.
+        prompt = step.prompt.compute(hidden, self.model.compute_logits, self.device, self.tp.leader)
         if not step.sample_rows:
-            return None
-        return self.model.compute_logits(hidden.index_select(0, sample_rows))
+            return None, prompt
+        return self.model.compute_logits(hidden.index_select(0, sample_rows)), prompt
 
     # ------------------------------------------------------------------ validation
 

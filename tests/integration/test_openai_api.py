@@ -115,3 +115,27 @@ def test_native_generate_carries_meta_info(smollm2) -> None:
     meta = out["meta_info"]
     assert meta["completion_tokens"] == 4 and meta["weight_version"] == "default"
     assert meta["finish_reason"]["type"] == "length" and len(out["output_ids"]) == 4
+
+
+def test_echo_with_logprobs_returns_the_prompt_logprobs_first(client, smollm2) -> None:
+    kw = dict(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=2, echo=True, logprobs=2)
+    resp = client.completions.create(**kw)
+    choice = resp.choices[0]
+    lp = choice.logprobs
+    n_prompt = resp.usage.prompt_tokens
+    assert len(lp.tokens) == n_prompt + 2 and choice.text.startswith("The capital of France is")
+    assert "".join(lp.tokens) == choice.text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for token, value, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True):
+        assert value <= 0 and top[token] == value and len(top) <= 3
+        assert max(top.values()) >= value
+    assert lp.text_offset[:2] == [0, len(lp.tokens[0])]
+    streamed = list(client.completions.create(stream=True, **kw))
+    first = streamed[0].choices[0].logprobs
+    assert first.tokens[:n_prompt] == lp.tokens[:n_prompt] and first.token_logprobs[0] is None
+    assert first.token_logprobs[1:n_prompt] == pytest.approx(lp.token_logprobs[1:n_prompt], abs=1e-4)
+    body = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+            "return_logprob": True, "logprob_start_len": 2, "top_logprobs_num": 1}
+    meta = httpx.post(f"{smollm2.base_url}/generate", json=body, timeout=60).json()["meta_info"]
+    assert [v for v, _, _ in meta["input_token_logprobs"]] == pytest.approx(lp.token_logprobs[2:n_prompt], abs=1e-4)
+    assert len(meta["input_top_logprobs"]) == n_prompt - 2

@@ -147,7 +147,8 @@ async def test_generate_abort_finish_reason() -> None:
     ({"text": ["a", "b"], "rid": ["x", "x"]}, "rid"),
     ({"text": "a", "stream": 1}, "stream"),
     ({"text": "a", "top_logprobs_num": 2}, "top_logprobs_num"),
-    ({"text": "a", "logprob_start_len": 0}, "logprob_start_len"),
+    ({"text": "a", "logprob_start_len": 0}, "logprob_start_len"),  # without return_logprob
+    ({"text": "a", "return_logprob": True, "logprob_start_len": -2}, "logprob_start_len"),
     ({"text": "a", "lora_path": "x"}, "lora_path"),
     ({"text": "a", "image_data": "x"}, "image_data"),
 ])

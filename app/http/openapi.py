@@ -145,7 +145,9 @@ SCHEMA_OVERRIDES: dict[str, dict[str, dict[str, Any]]] = {
                           {"type": "array", "items": {"type": "string", "minLength": 1,
                                                       "maxLength": native.MAX_RID_CHARS}},
                           {"type": "null"}]},
-        "logprob_start_len": {"anyOf": [{"const": -1}, {"type": "null"}]},
+        "logprob_start_len": {"anyOf": [{"type": "integer", "minimum": -1}, {"type": "null"}],
+                              "description": "with return_logprob: the first prompt position of "
+                                             "meta_info.input_token_logprobs (-1: none)"},
         "lora_path": {"type": "null", "description": "LoRA adapters are not built"},
     },
 }

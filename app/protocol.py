@@ -96,6 +96,11 @@ class GenerateRequest:
     parse_tool_calls: bool = False  # chat: run --tool-call-parser over the answer
     parallel_tool_calls: bool = True  # False: only the first call is kept
     separate_reasoning: bool = False  # chat: run --reasoning-parser over the answer
+    # A forced tool_choice (its grammar is in sampling): "required" makes the answer a JSON array of
+    # {"name", "parameters"}, read by the json tool parser whatever --tool-call-parser is; a named function
+    # makes it that tool's arguments object.
+    forced_calls: bool = False  # tool_choice "required"
+    forced_tool_name: str = ""  # tool_choice {"type": "function", "function": {"name": ...}}
 
 
 @dataclass(slots=True)

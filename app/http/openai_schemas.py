@@ -32,7 +32,14 @@ from app.http.sampling import (
     normalize_stop,
 )
 from app.http.structured import openai_grammar
-from app.http.tools import NamedToolChoice, ToolDef, check_tools, parse_tool_choice
+from app.http.tools import (
+    ToolDef,
+    check_tools,
+    forced_grammar,
+    forced_tool_name,
+    is_forced,
+    parse_tool_choice,
+)
 from app.protocol import SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
@@ -378,27 +385,39 @@ def parse_chat(body: dict[str, Any], vocab_size: int | None) -> tuple[ChatBody, 
     if parsed.top_logprobs is not None and not parsed.logprobs:
         raise bad_request("'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")
     check_tools(parsed.tools, parsed.tool_choice)
-    if parsed.tool_choice == "required" or isinstance(parsed.tool_choice, NamedToolChoice):
-        # app.http.tools.forced_call_schema is the constraint; decoding cannot be constrained yet.
-        raise unsupported("tool_choice", "'required' and a named function need constrained decoding, which is "
-                          "not built yet; use 'auto' or 'none'")
     if parsed.continue_final_message and parsed.add_generation_prompt:
         raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true",
                           param="continue_final_message")
     top = (parsed.top_logprobs or 0) if parsed.logprobs else None
     max_tokens = parsed.max_completion_tokens if parsed.max_completion_tokens is not None else parsed.max_tokens
-    return parsed, parsed.sampling(vocab_size, max_tokens, top)
+    return parsed, _with_forced_tools(parsed, parsed.sampling(vocab_size, max_tokens, top))
+
+
+def _with_forced_tools(body: ChatBody, sampling: SamplingParams) -> SamplingParams:
+    """A forced tool_choice is the request's output constraint: it excludes any other (response_format...)."""
+    forced = forced_grammar(body.tools or [], body.tool_choice, parallel=body.parallel_tool_calls is not False)
+    if forced is None:
+        return sampling
+    if sampling.grammar is not None:
+        other = sampling.grammar.param.split(".")[0]
+        raise bad_request(f"'tool_choice' and '{other}' cannot be combined: a forced tool choice constrains the "
+                          f"output to a tool call; leave out '{other}' or send tool_choice 'auto'", param=other)
+    return dataclasses.replace(sampling, grammar=forced)
 
 
 def engine_tool_fields(body: ChatBody, tool_call_parser: str | None, reasoning_parser: str | None) -> dict[str, Any]:
     """The GenerateRequest fields that carry the request's tools and which parsers run over the answer."""
     tools = [t.to_engine() for t in body.tools or []]
     parse = bool(tools) and body.tool_choice != "none"
-    if parse and tool_call_parser is None:
+    forced = is_forced(body.tool_choice)  # the forced output's own format is parsed: no parser needed
+    if parse and tool_call_parser is None and not forced:
         raise bad_request("'tools' need a tool-call parser: start the server with --tool-call-parser (or send "
-                          "tool_choice 'none' to only show the tools to the model)", param="tools")
+                          "tool_choice 'none' to only show the tools to the model, or 'required')", param="tools")
+    # A forced answer is a call from its first token: there is no reasoning to split off.
+    separate = reasoning_parser is not None and body.separate_reasoning is not False and not forced
     return {"tools": tools, "parse_tool_calls": parse, "parallel_tool_calls": body.parallel_tool_calls is not False,
-            "separate_reasoning": reasoning_parser is not None and body.separate_reasoning is not False}
+            "separate_reasoning": separate, "forced_calls": body.tool_choice == "required",
+            "forced_tool_name": forced_tool_name(body.tool_choice)}
 
 
 def engine_template_fields(body: ChatBody) -> dict[str, Any]:

@@ -2,19 +2,24 @@
 forced tool choice constrains decoding to.
 
 The tokenizer process parses the calls (app/tokenizer/tool_parsers.py); here the request is checked
-and its tools travel on as plain dicts for the chat template.
+and its tools travel on as plain dicts for the chat template. A forced choice (`required` or a named
+function) becomes a json_schema GrammarSpec, param "tool_choice", that the structured-output engine
+compiles and masks like any other (app/grammar).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 from pydantic import Field, ValidationError, field_validator
 
+from app.grammar import JSON_SCHEMA
 from app.http.body import StrictBody, fits_the_wire
 from app.http.errors import bad_request
+from app.protocol import GrammarSpec
 
 TOOL_CHOICE_MODES = ("none", "auto", "required")
 
@@ -95,15 +100,38 @@ def check_tools(tools: list[ToolDef] | None, tool_choice: ToolChoice | None) -> 
 
 
 def _parameters(tool: ToolDef) -> dict[str, Any]:
-    return tool.function.parameters or {"type": "object", "properties": {}}
+    """The arguments schema a forced call follows: always an object (arguments are a JSON object)."""
+    params = tool.function.parameters
+    if params is None:
+        return {"type": "object", "properties": {}}
+    return params if "type" in params else {**params, "type": "object"}
 
 
-def forced_call_schema(tools: list[ToolDef], tool_choice: ToolChoice) -> dict[str, Any] | None:
+def check_forced_tools(tools: list[ToolDef], tool_choice: ToolChoice | None) -> None:
+    """A forced choice decodes arguments as their schema says: a schema for something other than an object
+    could never be a call's arguments."""
+    named = forced_tool_name(tool_choice)
+    for i, tool in enumerate(tools):
+        if named and tool.function.name != named:
+            continue
+        kind = (tool.function.parameters or {}).get("type", "object")
+        if kind != "object":
+            raise bad_request(f"invalid value for 'tools[{i}].function.parameters': a forced 'tool_choice' needs "
+                              f"an object schema (arguments are a JSON object), not type {kind!r}",
+                              param=f"tools[{i}].function.parameters")
+
+
+def is_forced(tool_choice: ToolChoice | None) -> bool:
+    return tool_choice == "required" or isinstance(tool_choice, NamedToolChoice)
+
+
+def forced_call_schema(tools: list[ToolDef], tool_choice: ToolChoice | None, *,
+                       parallel: bool = True) -> dict[str, Any] | None:
     """The JSON schema that decoding is constrained to for `required` or a named function (None otherwise).
 
     required: a non-empty array of {"name", "parameters"} objects, each a listed tool with arguments
-    valid against its schema (what the json tool parser reads back); a named function: its arguments
-    object alone (the call's name is known)."""
+    valid against its schema (what the json tool parser reads back), at most one when parallel is False;
+    a named function: its arguments object alone (the call's name is known)."""
     if isinstance(tool_choice, NamedToolChoice):
         chosen = next(t for t in tools if t.function.name == tool_choice.function.name)
         return _parameters(chosen)
@@ -111,4 +139,20 @@ def forced_call_schema(tools: list[ToolDef], tool_choice: ToolChoice) -> dict[st
         return None
     calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
               "properties": {"name": {"const": t.function.name}, "parameters": _parameters(t)}} for t in tools]
-    return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def forced_grammar(tools: list[ToolDef], tool_choice: ToolChoice | None, *, parallel: bool) -> GrammarSpec | None:
+    """The structured-output constraint of a forced tool choice (compiled like a json_schema response_format)."""
+    schema = forced_call_schema(tools, tool_choice, parallel=parallel)
+    if schema is None:
+        return None
+    check_forced_tools(tools, tool_choice)
+    return GrammarSpec(JSON_SCHEMA, json.dumps(schema), "tool_choice")
+
+
+def forced_tool_name(tool_choice: ToolChoice | None) -> str:
+    return tool_choice.function.name if isinstance(tool_choice, NamedToolChoice) else ""

@@ -12,7 +12,7 @@ from typing import Any
 
 from app.protocol import GenerateRequest, ToolCall
 from app.tokenizer.reasoning import REASONING_FORMATS, ReasoningSplitter, prompt_opens_reasoning
-from app.tokenizer.tool_parsers import TOOL_FORMATS, ToolCallExtractor
+from app.tokenizer.tool_parsers import TOOL_FORMATS, ToolCallExtractor, ToolFormat, arguments_format
 
 # Enough prompt tokens to hold the generation prompt the template wrote (and a thinking tag).
 _PROMPT_TAIL_TOKENS = 16
@@ -47,10 +47,22 @@ class AnswerParser:
         return out
 
 
+def tool_format(req: GenerateRequest, tool_call_parser: str | None) -> ToolFormat | None:
+    """How the request's answer is read for calls: a forced tool_choice's own format (its grammar wrote
+    it), else --tool-call-parser's family; None when no calls are parsed."""
+    if not req.parse_tool_calls:
+        return None
+    if req.forced_tool_name:
+        return arguments_format(req.forced_tool_name)
+    if req.forced_calls:
+        return TOOL_FORMATS["json"]
+    return TOOL_FORMATS.get(tool_call_parser or "")
+
+
 def tool_parser_keeps_special_tokens(tool_call_parser: str | None, req: GenerateRequest) -> bool:
     """The family's tags are special tokens: the answer must be detokenized with them to be parsed."""
-    fmt = TOOL_FORMATS.get(tool_call_parser or "")
-    return req.parse_tool_calls and fmt is not None and fmt.keep_special_tokens
+    fmt = tool_format(req, tool_call_parser)
+    return fmt is not None and fmt.keep_special_tokens
 
 
 def answer_parser(req: GenerateRequest, tokenizer: Any, prompt: list[int], *, reasoning_parser: str | None,
@@ -63,8 +75,8 @@ def answer_parser(req: GenerateRequest, tokenizer: Any, prompt: list[int], *, re
         tail = tokenizer.decode(prompt[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
         reasoning = ReasoningSplitter(rfmt, inside=prompt_opens_reasoning(rfmt, tail))
     tools = None
-    tfmt = TOOL_FORMATS.get(tool_call_parser or "")
-    if req.parse_tool_calls and tfmt is not None:
+    tfmt = tool_format(req, tool_call_parser)
+    if tfmt is not None:
         names = {str(t.get("function", {}).get("name")) for t in req.tools if isinstance(t, dict)}
         tools = ToolCallExtractor(tfmt, names, parallel=req.parallel_tool_calls)
     if reasoning is None and tools is None:

@@ -264,7 +264,7 @@ class TokenizerCore:
             if self._engine is None:
                 return [Outgoing(HTTP, ControlReply(msg.req_id, False, "the engine is not ready yet"))]
             return [Outgoing(HTTP, tokenize_ops.handle(msg, self._tokenizer, chat_template=self._chat_template,
-                                                       vocab_size=self._engine["vocab_size"]))]
+                                                       vocab_size=self._engine.vocab_size))]
         refused = self._controls.refusal(msg)
         if refused is not None:
             return [Outgoing(HTTP, refused)]

@@ -11,6 +11,8 @@ Each family marks a tool-call section with its own tags (sources in docs/api.md)
 - json: the whole answer is one JSON call object or an array of them (`{"name", "arguments"|"parameters"}`),
   what a constrained `tool_choice: "required"` produces.
 - passthrough: no parsing; the text stays content (tools still reach the chat template).
+- a named tool_choice (arguments_format, per request, not a --tool-call-parser value): the whole answer
+  is the named tool's arguments object.
 
 A section is held back until it is complete, then parsed at once: a call is sent whole (name, then
 its arguments as one fragment). A section that does not parse, or names a tool that was not
@@ -143,6 +145,16 @@ TOOL_FORMATS: dict[str, ToolFormat | None] = {
                               keep_special_tokens=True),
     "passthrough": None,
 }
+
+
+def arguments_format(name: str) -> ToolFormat:
+    """A named tool_choice: decoding was constrained to the tool's arguments object, so the whole answer
+    is one call to `name` (its text, when it is no object: a call cut by max_tokens stays content)."""
+
+    def parse(section: str) -> list[Call]:
+        return [_object_call({"name": name, "arguments": _loads(section.strip())})]
+
+    return ToolFormat(f"arguments of {name}", "", "", parse)
 
 
 def new_call_id() -> str:

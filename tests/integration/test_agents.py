@@ -1,11 +1,12 @@
 """Tools and reasoning through the whole appliance (SmolLM2, a tools-aware chat template, both parsers on),
-with the openai client."""
+with the openai client; a forced tool_choice constrains the real model's decoding to a valid call."""
 
 from __future__ import annotations
 
 import json
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -78,3 +79,53 @@ def test_tokenize_counts_what_the_engine_counts(agents, client) -> None:
     body = json.loads(httpx.post(f"{agents.base_url}/tokenize", json={"prompt": "x", "messages": []},
                                  timeout=60).text)
     assert body["error"]["param"]
+
+
+# Bounded strings keep the greedy 135M model's arguments short (a cut call would come back as content).
+FORECAST = {"type": "function", "function": {"name": "get_forecast", "parameters": {
+    "type": "object", "required": ["city", "days"], "additionalProperties": False, "properties": {
+        "city": {"type": "string", "maxLength": 24}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "required": ["zone"], "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}}}}
+FORCED_TOOLS = {t["function"]["name"]: t["function"]["parameters"] for t in (FORECAST, TIME)}
+ASK = [{"role": "user", "content": "What will the weather be in Paris for the next 3 days?"}]
+# A question the 135M model answers with one call (on ASK it repeats calls until max_tokens).
+ASK_TIME = [{"role": "user", "content": "What time is it in UTC?"}]
+
+
+def _valid_calls(calls) -> list[tuple[str, dict]]:
+    """Each call names a listed tool and its arguments validate against that tool's schema."""
+    out = []
+    for call in calls or []:
+        assert call.type == "function" and call.id
+        args = json.loads(call.function.arguments)
+        jsonschema.validate(args, FORCED_TOOLS[call.function.name])
+        out.append((call.function.name, args))
+    assert out, "no tool call"
+    return out
+
+
+def test_tool_choice_required_returns_a_valid_call_streaming_or_not(client) -> None:
+    """The server's parser is qwen; the forced answer is read with the json parser all the same."""
+    kw = dict(model=MODEL, messages=ASK_TIME, tools=[TIME, FORECAST], tool_choice="required", temperature=0,
+              max_tokens=64)
+    whole = client.chat.completions.create(**kw).choices[0]
+    assert whole.finish_reason == "tool_calls" and not whole.message.content
+    calls = _valid_calls(whole.message.tool_calls)
+    with client.chat.completions.stream(**kw) as stream:
+        for _ in stream:
+            pass
+        streamed = stream.get_final_completion().choices[0]
+    assert streamed.finish_reason == "tool_calls"
+    assert _valid_calls(streamed.message.tool_calls) == calls  # greedy: the same call, assembled by the SDK
+    # maxItems 1: the call array closes after one call where the model would have gone on.
+    one = client.chat.completions.create(**{**kw, "messages": ASK}, parallel_tool_calls=False).choices[0]
+    assert one.finish_reason == "tool_calls" and len(_valid_calls(one.message.tool_calls)) == 1
+
+
+def test_a_named_tool_choice_returns_a_call_to_that_function(client) -> None:
+    named = {"type": "function", "function": {"name": "get_time"}}
+    choice = client.chat.completions.create(model=MODEL, messages=ASK, tools=[FORECAST, TIME], tool_choice=named,
+                                            temperature=0, max_tokens=32).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert [name for name, _ in _valid_calls(choice.message.tool_calls)] == ["get_time"]

@@ -7,6 +7,7 @@ reasoning/content/tool-call split is checked exactly, streaming and not.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -48,6 +49,7 @@ class CoreEngine(FakeEngine):
         self.tokenizer = tokenizer
         self.answer = ""
         self.prompts: list[str] = []
+        self.grammars: list[Any] = []  # each request's output constraint
         super().__init__(script=self._run)
         self.control_reply = lambda msg: tokenize_ops.handle(msg, tokenizer, chat_template=AGENT_TEMPLATE,
                                                              vocab_size=len(tokenizer))
@@ -60,6 +62,10 @@ class CoreEngine(FakeEngine):
 
     def _run(self, req: GenerateRequest) -> list[TextDelta]:
         core = self._core()
+        # The scripted answer stands for the constrained model (masking is the appliance tests' part):
+        # keep the constraint to check it, and let the core go on without compiling it.
+        self.grammars.append(req.sampling.grammar)
+        req = dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, grammar=None))
         (first,) = core.handle(req)
         if not isinstance(first.msg, TokenizedRequest):
             return first.msg.deltas  # the tokenizer refused it
@@ -172,6 +178,65 @@ def test_a_conversation_with_tool_results_is_rendered(engine: CoreEngine, client
     assert "<tool_response>22 C and sunny</tool_response>" in prompt
 
 
+def _forced_schema(engine: CoreEngine) -> dict:
+    spec = engine.grammars[-1]
+    assert spec is not None and (spec.kind, spec.param) == ("json_schema", "tool_choice")
+    return json.loads(spec.value)
+
+
+def test_required_is_constrained_and_read_with_the_json_parser(engine: CoreEngine, client: openai.OpenAI) -> None:
+    """The server's parser is qwen: the forced answer (a JSON array of calls) is still read as calls."""
+    answer = '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}]'
+    choice = _ask(engine, client, answer, tools=[WEATHER, TIME], tool_choice="required").choices[0]
+    schema = _forced_schema(engine)
+    assert schema["minItems"] == 1 and "maxItems" not in schema
+    assert [c["properties"]["name"]["const"] for c in schema["items"]["anyOf"]] == ["get_weather", "get_time"]
+    assert (choice.finish_reason, choice.message.content) == ("tool_calls", None)
+    assert _calls(choice.message.tool_calls) == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+    _ask(engine, client, answer, tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False)
+    assert _forced_schema(engine)["maxItems"] == 1
+    engine.answer = answer
+    messages = [{"role": "user", "content": "Weather and time?"}]
+    with client.chat.completions.stream(model=MODEL, messages=messages, tools=[WEATHER, TIME],
+                                        tool_choice="required") as stream:
+        chunks = list(stream)
+        streamed = stream.get_final_completion().choices[0]
+    assert _calls(streamed.message.tool_calls) == _calls(choice.message.tool_calls)
+    assert streamed.finish_reason == "tool_calls"
+    firsts = [tc for c in chunks if c.type == "chunk" for tc in (c.chunk.choices[0].delta.tool_calls or []) if tc.id]
+    assert [(p.index, p.function.name) for p in firsts] == [(0, "get_weather"), (1, "get_time")]
+
+
+def test_a_named_choice_makes_the_answer_its_arguments(engine: CoreEngine, client: openai.OpenAI) -> None:
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    choice = _ask(engine, client, '{"city": "Oslo"}', tools=[WEATHER, TIME], tool_choice=named).choices[0]
+    assert _forced_schema(engine) == WEATHER["function"]["parameters"]
+    assert (choice.finish_reason, choice.message.content) == ("tool_calls", None)
+    assert _calls(choice.message.tool_calls) == [("get_weather", {"city": "Oslo"})]
+    chunks = list(_ask(engine, client, '{"city": "Oslo"}', tools=[WEATHER, TIME], tool_choice=named, stream=True))
+    parts = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [(p.index, p.id is not None, p.function.name) for p in parts] == [(0, True, "get_weather"), (0, False, None)]
+    assert json.loads(parts[1].function.arguments) == {"city": "Oslo"}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    cut = _ask(engine, client, '{"city": "Os', tools=[WEATHER], tool_choice=named).choices[0]
+    assert (cut.message.content, cut.message.tool_calls) == ('{"city": "Os', None)  # a cut call stays text
+    # The server runs the qwen3 reasoning parser, but a forced answer is a call from its first token:
+    # nothing is split off as reasoning.
+    thought = _ask(engine, client, "<think>a</think>", tools=[WEATHER], tool_choice=named).choices[0].message
+    assert thought.content == "<think>a</think>" and getattr(thought, "reasoning_content", None) is None
+
+
+def test_forced_choices_need_no_server_parser(engine: CoreEngine) -> None:
+    with LiveServer(engine) as live:
+        engine.answer = '[{"name": "get_weather", "parameters": {"city": "Rome"}}]'
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER],
+                "tool_choice": "required"}
+        r = httpx.post(f"{live.url}/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        call = r.json()["choices"][0]["message"]["tool_calls"][0]["function"]
+        assert (call["name"], json.loads(call["arguments"])) == ("get_weather", {"city": "Rome"})
+
+
 # ---------------------------------------------------------------- reasoning
 
 
@@ -251,9 +316,12 @@ def test_tokenize_and_detokenize(engine: CoreEngine, server: LiveServer) -> None
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice",
      "no tool in 'tools' is named 'other'"),
     ({"tool_choice": "auto"}, "tool_choice", "needs 'tools'"),
-    ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice", "constrained decoding"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
-     "tool_choice", "constrained decoding"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "response_format", "'tool_choice' and 'response_format' cannot be combined"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+      "guided_regex": "a+"}, "guided_regex", "'tool_choice' and 'guided_regex' cannot be combined"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+      "tool_choice": "required"}, "tools[0].function.parameters", "needs an object schema"),
     ({"tools": [WEATHER, WEATHER]}, "tools", "two tools are named"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"maximum": 2**70}}}]},
      "tools[0].function.parameters", "cannot be passed"),

@@ -246,6 +246,12 @@ def test_control_messages_are_routed(tok):
     assert [(o.dest, o.msg) for o in core.handle(reply)] == [(HTTP, reply)]
 
 
+def test_tokenize_is_answered_by_the_tokenizer_itself(tok):
+    core = make_core(tok)
+    [out] = core.handle(ControlRequest(req_id="t1", kind="tokenize", args={"prompts": ["Hello"]}))
+    assert out.dest == HTTP and out.msg.success and out.msg.data["tokens"] == [list(tok.encode("Hello"))]
+
+
 def test_unexpected_message_is_dropped(tok):
     core = make_core(tok)
     assert core.handle(WorkerReady(0, 1, 16, 64, 512, [2])) == []

@@ -7,8 +7,8 @@ import json
 import pytest
 from jsonschema import Draft202012Validator
 
-from app.http.tools import NamedToolChoice, ToolDef, forced_call_schema
-from app.tokenizer.tool_parsers import TOOL_FORMATS, extract_tool_calls
+from app.http.tools import NamedToolChoice, ToolDef, forced_call_schema, forced_grammar
+from app.tokenizer.tool_parsers import TOOL_FORMATS, arguments_format, extract_tool_calls
 
 TOOLS = [ToolDef.model_validate(t) for t in (
     {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -41,6 +41,32 @@ def test_a_named_function_is_its_arguments_schema() -> None:
     schema = forced_call_schema(TOOLS, choice)
     assert schema == TOOLS[0].function.parameters
     assert _valid(schema, {"city": "Oslo"}) and not _valid(schema, {})
+
+
+def test_parallel_false_allows_one_call_and_arguments_are_objects() -> None:
+    schema = forced_call_schema(TOOLS, "required", parallel=False)
+    one = {"name": "get_time", "parameters": {}}
+    assert _valid(schema, [one]) and not _valid(schema, [one, one])
+    assert not _valid(schema, [{"name": "get_time", "parameters": 3}])  # no parameters: still an object
+    untyped = ToolDef.model_validate({"type": "function", "function": {"name": "f", "parameters": {
+        "properties": {"x": {"type": "integer"}}}}})
+    assert forced_call_schema([untyped], NamedToolChoice.model_validate(
+        {"type": "function", "function": {"name": "f"}}))["type"] == "object"
+
+
+def test_the_forced_grammar_is_a_json_schema_named_tool_choice() -> None:
+    spec = forced_grammar(TOOLS, "required", parallel=True)
+    assert spec is not None and (spec.kind, spec.param) == ("json_schema", "tool_choice")
+    assert json.loads(spec.value) == forced_call_schema(TOOLS, "required")
+    assert forced_grammar(TOOLS, "auto", parallel=True) is None
+
+
+def test_a_named_answer_is_one_call_to_that_tool() -> None:
+    fmt = arguments_format("get_weather")
+    content, calls = extract_tool_calls(fmt, {"get_weather"}, '{"city": "Oslo"}')
+    assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Oslo"})]
+    for text in ('{"city": "Os', "[1]", "Oslo"):  # cut by max_tokens, or not an object: the text is content
+        assert extract_tool_calls(fmt, {"get_weather"}, text) == (text, [])
 
 
 @pytest.mark.parametrize("choice", ["auto", "none", None])

@@ -6,7 +6,10 @@ In process, like `tokenspeed bench latency` (no scheduler, no HTTP). For each ba
 --input-len random tokens are prefilled, then --steps decode steps run pipelined as the worker runs them
 (launch step N+1, then finish step N: app/worker/process.py), greedy; once with no grammar and once with
 every row matching the 20-field schema (app/worker/sampling/grammar.py masks the rows before sampling).
-Reported per B: the median ms per step over --trials runs of each mode, and the overhead in percent.
+Reported per B: the median ms per step over --trials runs of each mode, the overhead in percent, and
+for the constrained mode the worker's host time per step in the grammar code (GrammarRows.host_s:
+matcher updates, bitmask fill, copy and mask launch; and wait_s: its wait for step N's tokens).
+--grammar-threads sets the bitmask fill's threads (default: app.worker.sampling.grammar.fill_threads).
 Compile figures: XGrammar's compile of the schema, its serialization (size and time), the worker's
 deserialization, and a cached answer (the tokenizer's cache lookup plus the worker's deserialized LRU):
 what a repeated schema costs a request.
@@ -99,9 +102,10 @@ def compile_figures(info: Any, spec: GrammarSpec) -> tuple[dict[str, float], str
 
 
 def decode_ms(runner: Any, batch: int, args: argparse.Namespace, sampling: SamplingParams,
-              gen: torch.Generator) -> tuple[float, int]:
-    """Median ms per pipelined decode step of `batch` sequences, and how many rows ended on EOS."""
-    trials, completed = [], 0
+              gen: torch.Generator) -> tuple[float, int, float, float]:
+    """Median ms per pipelined decode step of `batch` sequences, how many rows ended on EOS, and the
+    grammar's host and wait ms per step (medians; trial by trial)."""
+    trials, completed, host, wait = [], 0, [], []
     eos = set(runner.eos_token_ids)
     for _ in range(args.trials):
         prompts = [torch.randint(0, runner.vocab_size, (args.input_len,), generator=gen).tolist()
@@ -113,6 +117,7 @@ def decode_ms(runner: Any, batch: int, args: argparse.Namespace, sampling: Sampl
         prefill(runner, seqs, prompts, batch, last=True)
         decode = StepPlan(step=1, chunks=[SeqChunk(slot=i) for i in range(batch)])
         sync(runner.device)
+        host_s, wait_s = runner.grammar.host_s, runner.grammar.wait_s
         started = time.perf_counter()
         pending = runner.launch(decode)
         for _ in range(args.steps - 1):
@@ -122,8 +127,10 @@ def decode_ms(runner: Any, batch: int, args: argparse.Namespace, sampling: Sampl
         completed += sum(t in eos for t in runner.finish(pending).token_ids)
         sync(runner.device)
         trials.append((time.perf_counter() - started) * 1e3 / args.steps)
+        host.append((runner.grammar.host_s - host_s) * 1e3 / args.steps)
+        wait.append((runner.grammar.wait_s - wait_s) * 1e3 / args.steps)
         runner.execute(StepPlan(step=2, free_slots=list(range(batch))))
-    return statistics.median(trials), completed
+    return statistics.median(trials), completed, statistics.median(host), statistics.median(wait)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -134,6 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--chunked-prefill-size", type=int, default=8192)
+    parser.add_argument("--grammar-threads", type=int, default=None, help="bitmask fill threads")
     args = parser.parse_args(argv)
     if args.tensor_parallel_size != 1:
         parser.error("--tensor-parallel-size: this benchmark runs one rank")
@@ -144,30 +152,34 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device)
     runner = make_runner(settings, device)
     info, vocab = vocabulary(runner, args.model)
-    runner.grammar = GrammarRows(lambda: info, runner.vocab_size, runner.device, runner.max_num_seqs)
+    runner.grammar = GrammarRows(lambda: info, runner.vocab_size, runner.device, runner.max_num_seqs,
+                                 args.grammar_threads)
     spec = GrammarSpec("json_schema", json.dumps(schema_20()), "bench")
     compile_info, compiled = compile_figures(info, spec)
     constrained = SamplingParams(temperature=0.0, grammar=GrammarSpec("json_schema", spec.value, compiled=compiled))
     gen = torch.Generator().manual_seed(0)
     rows = []
     for batch in batches:
-        plain, _ = decode_ms(runner, batch, args, SamplingParams(temperature=0.0, ignore_eos=True), gen)
-        masked, completed = decode_ms(runner, batch, args, constrained, gen)
+        plain, _, _, _ = decode_ms(runner, batch, args, SamplingParams(temperature=0.0, ignore_eos=True), gen)
+        masked, completed, host_ms, wait_ms = decode_ms(runner, batch, args, constrained, gen)
         rows.append({"batch": batch, "unconstrained_ms": plain, "json_schema_ms": masked,
-                     "overhead_pct": (masked / plain - 1) * 100, "completed_rows": completed})
+                     "overhead_pct": (masked / plain - 1) * 100, "completed_rows": completed,
+                     "grammar_host_ms": host_ms, "grammar_wait_ms": wait_ms})
     result = {"model": args.model, "device": str(runner.device), "dtype": str(runner.dtype), "vocab": vocab,
               "vocab_size": runner.vocab_size, "input_len": args.input_len, "steps": args.steps,
-              "trials": args.trials, "cuda_graphs": runner.graphs is not None, "compile": compile_info,
+              "trials": args.trials, "grammar_threads": runner.grammar.threads, "cuda_graphs": runner.graphs is not None, "compile": compile_info,
               "decode": rows}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     print(f"vocab: {vocab} ({runner.vocab_size}); 20-field schema: compile {compile_info['compile_first_ms']:.1f} ms "
           f"first, {compile_info['cached_ms']:.3f} ms cached; serialized {compile_info['serialized_bytes']} B, "
           f"deserialize {compile_info['deserialize_ms']:.1f} ms")
-    print(f"{'batch':>5} {'unconstrained ms':>17} {'json_schema ms':>15} {'overhead %':>11}")
+    print(f"grammar fill threads: {runner.grammar.threads}")
+    print(f"{'batch':>5} {'unconstrained ms':>17} {'json_schema ms':>15} {'overhead %':>11} "
+          f"{'grammar host ms':>16} {'grammar wait ms':>16}")
     for row in rows:
         print(f"{row['batch']:>5} {row['unconstrained_ms']:>17.3f} {row['json_schema_ms']:>15.3f} "
-              f"{row['overhead_pct']:>11.2f}")
+              f"{row['overhead_pct']:>11.2f} {row['grammar_host_ms']:>16.3f} {row['grammar_wait_ms']:>16.3f}")
 
 
 if __name__ == "__main__":

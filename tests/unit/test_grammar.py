@@ -207,6 +207,60 @@ def test_apply_bitmask_equals_xgrammar(compiler) -> None:
     assert torch.equal(ours, theirs)
 
 
+def test_bitmask_unpack_and_gather_agree() -> None:
+    from app.worker.sampling.grammar import _gather, _unpack
+
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, 5), dtype=torch.int32)
+    expected = torch.tensor([[(int(w) >> b) & 1 for w in row for b in range(32)] for row in bitmask.tolist()]).bool()
+    assert torch.equal(_unpack(bitmask), expected) and torch.equal(_gather(bitmask), expected)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_batched_fill_masks_as_the_row_by_row_fill(tok, compiler, threads) -> None:
+    a, b = token_id(tok, "a"), token_id(tok, "b")
+    specs = {slot: ["a+", "b", "(ab)*", "[ab]{2}", "a|b"][slot % 5] for slot in range(8)}
+    single = rows_for(tok, compiler, specs, max_slots=8)
+    single.threads, single._batch = 1, None
+    batched = GrammarRows(lambda: compiler.info, VOCAB, torch.device("cpu"), 8, threads=threads)
+    for slot, regex in specs.items():
+        spec = GrammarSpec("regex", regex, "p")
+        spec.compiled = compiler.serialize(compiler.compile(spec))
+        batched.add(slot, spec, [])
+    slots = [7, 0, 3, 5, 1, 6, 2, 4]  # row i samples slot slots[i]
+    steps = [[a, b, a, a, b, a, b, a], [a, EOS, b, b, EOS, a, EOS, b], [a, EOS, a, EOS, EOS, a, EOS, a]]
+    deferred = []
+    for tokens in steps:  # by slot; pipelined: each mask first takes the previous step's tokens
+        logits = torch.randn(len(slots), VOCAB)
+        outs = []
+        for rows in (single, batched):
+            masked = logits.clone()
+            step = rows.mask(masked, slots)
+            step.read = fixed_read([tokens[s] for s in slots])
+            rows.expect(step)
+            deferred.append(step)
+            outs.append(masked)
+        assert torch.equal(outs[0], outs[1]) and not torch.isfinite(outs[1]).all()
+    assert all(step.rejected == [] for step in deferred)
+    assert (batched._batch is not None) == (threads > 1)
+
+
+def test_host_and_wait_time_are_counted_apart(tok, compiler) -> None:
+    a = token_id(tok, "a")
+    rows = rows_for(tok, compiler, {0: "a+"})
+    step1 = rows.mask(torch.randn(1, VOCAB), [0])
+    assert rows.host_s > 0 and rows.wait_s == 0
+
+    def slow_read():
+        time.sleep(0.05)
+        return np.asarray([a]), np.asarray([0])
+
+    step1.read = slow_read
+    rows.expect(step1)
+    host = rows.host_s
+    rows.mask(torch.randn(1, VOCAB), [0])  # waits for step 1's token
+    assert rows.wait_s >= 0.05 and rows.host_s - host < 0.05
+
+
 # ---------------------------------------------------------------- the tokenizer's compile service
 
 

@@ -5,8 +5,8 @@ tokenizer process); it is deserialized once per grammar text (a small LRU here) 
 slot follows the tokens the sequence outputs (a preempted sequence's matcher replays its output on
 re-registration). Before a step samples, mask() fills an XGrammar token bitmask for the constrained rows
 only, uploads it and sets every token the grammar does not allow to -inf in the logits (outside any CUDA
-graph, after the LM head). Unconstrained rows are not touched; a step without constrained rows pays one
-dict lookup. The sampler then works on the masked logits: logprobs describe the masked distribution.
+graph, after the LM head; on the CPU XGrammar's native apply does it in place). Unconstrained rows are
+not touched; a step without constrained rows pays one dict lookup. The sampler then works on the masked logits: logprobs describe the masked distribution.
 
 Pipelining (app/worker/process.py launches step N+1 before it reads step N's tokens): the bitmask of a
 constrained row at step N+1 needs its token of step N. mask() runs after step N+1's forward is queued,
@@ -17,11 +17,22 @@ update and bitmask fill run on the host beside it. Steps without constrained row
 A matcher that has accepted EOS is terminated: its row (a step planned before the scheduler saw the EOS,
 whose token is dropped) is left unmasked. A token the matcher refuses (a NaN row's) marks the slot bad,
 which fails the request.
+
+Host cost per row (20-field JSON schema, 128k vocabulary): the fill dominates (0.4 to 0.9 ms on a
+loaded 2-core CPU; the H200 host's 7.4 ms more per step at 64 rows, one thread, implies about 0.1 ms),
+the accept takes a few microseconds. So the rows of a step are
+filled by XGrammar's BatchGrammarMatcher on `threads` native threads (GIL released) once a step has
+FILL_BATCH_MIN rows; fewer rows loop in Python (the pool's hand-off costs more than it saves). On CUDA
+the fill writes into one of two page-locked buffers, copied with one non-blocking copy; a buffer is
+reused only after its previous copy has run (an event). `host_s` and `wait_s` add up the host time of
+mask() and its wait for the step-N tokens (scripts/gpu/bench_grammar.py reports them per step).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,11 +43,18 @@ import torch
 
 from app.grammar import cache_key
 from app.protocol import GrammarSpec
-from app.worker.transfer import to_device, upload
+from app.worker.transfer import upload
 
 logger = logging.getLogger(__name__)
 
 COMPILED_CACHE_SIZE = 64  # deserialized grammars kept by text
+FILL_BATCH_MIN = 4  # rows from which the bitmask fill goes to XGrammar's thread pool
+
+
+def fill_threads() -> int:
+    """Threads for the bitmask fill: half the cores this process may use (the other half keep the
+    worker's launch loop and the other processes going), at most 16."""
+    return max(1, min(16, len(os.sched_getaffinity(0)) // 2))
 
 
 @dataclass(slots=True)
@@ -57,7 +75,8 @@ class GrammarRows:
     first use; it must equal the tokenizer process's for serialized grammars to load.
     """
 
-    def __init__(self, make_info: Callable[[], Any], vocab_size: int, device: torch.device, max_slots: int) -> None:
+    def __init__(self, make_info: Callable[[], Any], vocab_size: int, device: torch.device, max_slots: int,
+                 threads: int | None = None) -> None:
         self._make_info = make_info
         self._info: Any = None
         self.vocab_size = vocab_size
@@ -66,8 +85,16 @@ class GrammarRows:
         self._matchers: dict[int, Any] = {}
         self._awaiting: dict[int, Deferred] = {}
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
-        self._host_mask: torch.Tensor | None = None  # [max_slots, ceil(V / 32)] int32, filled per step
+        self.threads = threads if threads is not None else fill_threads()
+        self._batch: Any = None  # xgrammar.BatchGrammarMatcher (threads > 1)
+        # [max_slots, ceil(V / 32)] int32 filled per step; on CUDA two page-locked ones used in turn,
+        # each with the event of its last copy to the device.
+        self._host_masks: list[torch.Tensor] = []
+        self._copied: list[Any] = []
+        self._turn = 0
         self._xgr: Any = None
+        self.host_s = 0.0  # seconds of host work in mask() (matcher updates, fill, copy and apply launch)
+        self.wait_s = 0.0  # seconds mask() waited for a step's sampled tokens
 
     def __contains__(self, slot: int) -> bool:
         return slot in self._matchers
@@ -96,6 +123,7 @@ class GrammarRows:
         rows = [(row, slot, self._matchers[slot]) for row, slot in enumerate(slots) if slot in self._matchers]
         if not rows:
             return None
+        started, counted = time.perf_counter(), self.host_s + self.wait_s
         for _, slot, _ in rows:
             waiting = self._awaiting.get(slot)
             if waiting is not None:
@@ -103,6 +131,8 @@ class GrammarRows:
         live = [(row, slot, m) for row, slot, m in rows if not m.is_terminated()]
         if live:
             self._apply(logits, live)
+        # resolve() above counted its own time: add the rest
+        self.host_s += time.perf_counter() - started - (self.host_s + self.wait_s - counted)
         return Deferred(live)
 
     def expect(self, deferred: Deferred) -> None:
@@ -118,7 +148,10 @@ class GrammarRows:
         if not deferred.rows:
             return
         assert deferred.read is not None, "expect() a Deferred only after giving it read()"
+        started = time.perf_counter()
         tokens, bad = deferred.read()
+        waited = time.perf_counter() - started
+        self.wait_s += waited
         for row, slot, matcher in deferred.rows:
             if self._awaiting.get(slot) is deferred:
                 del self._awaiting[slot]
@@ -127,6 +160,7 @@ class GrammarRows:
             if not matcher.accept_token(int(tokens[row])):
                 logger.error("slot %d: sampled token %d outside its grammar", slot, int(tokens[row]))
                 deferred.rejected.append(slot)
+        self.host_s += time.perf_counter() - started - waited
 
     # ------------------------------------------------------------------ internals
 
@@ -135,6 +169,8 @@ class GrammarRows:
             import xgrammar as xgr
 
             self._info = self._make_info()
+            if self.threads > 1:
+                self._batch = xgr.BatchGrammarMatcher(max_threads=self.threads)
             self._xgr = xgr
         return self._xgr
 
@@ -151,30 +187,68 @@ class GrammarRows:
         return compiled
 
     def _apply(self, logits: torch.Tensor, live: list[tuple[int, int, Any]]) -> None:
-        """Fill the bitmask of `live` rows (compacted: the i-th live row uses bitmask row i), upload it
-        and set the disallowed tokens of those logits rows to -inf."""
-        if self._host_mask is None:
-            self._host_mask = self._xgr.allocate_token_bitmask(self.max_slots, self.vocab_size)
-        host = self._host_mask
-        for i, (_, _, matcher) in enumerate(live):
-            matcher.fill_next_token_bitmask(host, i)
-        n = len(live)
-        # to_device copies through fresh page-locked memory: the next fill may reuse `host` at once.
-        bitmask = to_device(host[:n], self.device)
-        apply_bitmask(logits, bitmask, upload([row for row, _, _ in live], torch.int64, self.device))
+        """Fill the bitmask of `live` rows, send it to the device and set the disallowed tokens of those
+        logits rows to -inf."""
+        host = self._next_host_mask()
+        matchers = [m for _, _, m in live]
+        rows = [row for row, _, _ in live]
+        on_cpu = self.device.type != "cuda"
+        # On CUDA the bitmask is compacted (the i-th live row uses bitmask row i: the least to copy); on
+        # the CPU it is filled at the logits rows, where XGrammar's native apply reads it.
+        at = rows if on_cpu else list(range(len(live)))
+        if self._batch is not None and len(matchers) >= FILL_BATCH_MIN:
+            self._batch.batch_fill_next_token_bitmask(matchers, host, at)
+        else:
+            for i, matcher in zip(at, matchers, strict=True):
+                matcher.fill_next_token_bitmask(host, i)
+        if on_cpu:
+            width = min(logits.shape[1], self.vocab_size)
+            self._xgr.apply_token_bitmask_inplace(logits, host[: logits.shape[0]], vocab_size=width, indices=rows)
+            if logits.shape[1] > width:  # ids past the vocabulary are never allowed
+                logits[rows, width:] = float("-inf")
+            return
+        bitmask = host[: len(live)].to(self.device, non_blocking=True)
+        self._copied[self._turn].record()
+        apply_bitmask(logits, bitmask, upload(rows, torch.int64, self.device))
+
+    def _next_host_mask(self) -> torch.Tensor:
+        """The host bitmask to fill now: on CUDA the page-locked buffer whose last copy ran longest ago
+        (waited for, which in the pipelined loop has long happened)."""
+        if not self._host_masks:
+            count = 2 if self.device.type == "cuda" else 1
+            for _ in range(count):
+                mask = self._xgr.allocate_token_bitmask(self.max_slots, self.vocab_size)
+                self._host_masks.append(mask.pin_memory() if self.device.type == "cuda" else mask)
+                self._copied.append(torch.cuda.Event() if self.device.type == "cuda" else None)
+        self._turn = (self._turn + 1) % len(self._host_masks)
+        event = self._copied[self._turn]
+        if event is not None:
+            event.synchronize()  # an event never recorded returns at once
+        return self._host_masks[self._turn]
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
     """logits[rows[i], t] = -inf wherever bit t of bitmask[i] is 0 (XGrammar's layout: 32 tokens per
     int32, lowest bit first). Device work only, no host sync."""
     width = logits.shape[1]
-    # Each byte of the (little-endian) words picks its 8 flags from a 256-row table: one gather.
-    table = _byte_bits(bitmask.device)
-    allowed = table[bitmask.contiguous().view(torch.uint8).long()].flatten(1)[:, :width]
+    allowed = (_unpack if bitmask.device.type == "cpu" else _gather)(bitmask)[:, :width]
     if allowed.shape[1] < width:  # logits wider than the bitmask: the extra ids are never allowed
         allowed = torch.nn.functional.pad(allowed, (0, width - allowed.shape[1]), value=False)
     picked = logits.index_select(0, rows)
     logits.index_copy_(0, rows, picked.masked_fill_(~allowed, float("-inf")))
+
+
+def _unpack(bitmask: torch.Tensor) -> torch.Tensor:
+    """[n, 32 * words] bool of a host bitmask: numpy unpacks bits ~20x faster than the gather on a CPU."""
+    bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=1, bitorder="little")
+    return torch.from_numpy(bits).bool()
+
+
+def _gather(bitmask: torch.Tensor) -> torch.Tensor:
+    """[n, 32 * words] bool of a device bitmask: each byte of the (little-endian) words picks its 8 flags
+    from a 256-row table, one gather (no host sync)."""
+    table = _byte_bits(bitmask.device)
+    return table[bitmask.contiguous().view(torch.uint8).long()].flatten(1)
 
 
 _BYTE_BITS: dict[torch.device, torch.Tensor] = {}

@@ -35,7 +35,8 @@ def test_parallel_layouts_this_build_runs_load(argv: list[str]) -> None:
     (["--dist-init-addr", "h:99999"], "must be HOST:PORT"),
     (["--data-parallel-size", "2", "--kv-events-config",
       '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:65535"}'], "plus data-parallel rank 1 is past port 65535"),
-    (["--moe-tp-size", "2"], "MoE"), (["--ep-size", "2"], "MoE"), (["--enable-expert-parallel"], "MoE"),
+    (["--moe-tp-size", "2"], "expert parallelism"), (["--ep-size", "2"], "expert parallelism"),
+    (["--enable-expert-parallel"], "expert parallelism"),
     (["--load-balance-method", "minimum_cache_usage"], "--load-balance-method: Input should be"),
 ])  # fmt: skip
 def test_parallel_layouts_it_does_not_run_are_refused(argv: list[str], message: str) -> None:

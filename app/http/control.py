@@ -49,8 +49,10 @@ async def abort_request(request: Request) -> Response:
     return JSON({"success": True})
 
 
-async def call_engine(request: Request, kind: str, args: dict, timeout: float = CONTROL_TIMEOUT_S) -> ControlReply:
-    """One control operation on the engine; 503 when it cannot serve, 504 when it does not answer."""
+async def call_engine(request: Request, kind: str, args: dict, timeout: float | None = None) -> ControlReply:
+    """One control operation on the engine; 503 when it cannot serve, 504 when it does not answer
+    within timeout (CONTROL_TIMEOUT_S, read at call time, by default)."""
+    timeout = CONTROL_TIMEOUT_S if timeout is None else timeout
     state = server_state(request)
     if not state.client.ready:
         raise APIError(503, "the engine is not ready yet")

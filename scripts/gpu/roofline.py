@@ -6,25 +6,20 @@ random data, median of 20). Prints and writes JSON."""
 from __future__ import annotations
 
 import json
-import statistics
 import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
+from app.bench.latency import median_cuda_ms  # noqa: E402
 
 
 def timed(fn, iters: int = 20) -> float:
     """Median seconds of fn() over iters runs after 3 warm-ups, timed with CUDA events."""
     for _ in range(3):
         fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    return median_cuda_ms(fn, iters) / 1e3
 
 
 def main() -> None:

@@ -67,3 +67,17 @@ def sparse_every(config: Any, layer_idx: int) -> bool:
         and config.num_experts > 0
         and (layer_idx + 1) % step == 0
     )
+
+
+class QwenMoeCausalLM(MoeCausalLM):
+    """Qwen2-MoE's and Qwen3-MoE's experts: num_experts of moe_intermediate_size, top-k renormalised
+    where norm_topk_prob says, sparse layers by sparse_every."""
+
+    @classmethod
+    def moe_spec(cls, config: Any) -> MoeSpec:
+        return MoeSpec(config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
+                       bool(config.norm_topk_prob))  # fmt: skip
+
+    @classmethod
+    def sparse_layer(cls, config: Any, layer_idx: int) -> bool:
+        return sparse_every(config, layer_idx)

@@ -9,26 +9,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from app.worker.layers.moe import MoeSpec
 from app.worker.models.dense import DenseDims, DenseMLP, DenseOptions
-from app.worker.models.moe import MoeCausalLM, sparse_every
+from app.worker.models.moe import QwenMoeCausalLM
 
 
-class Qwen2MoeForCausalLM(MoeCausalLM):
+class Qwen2MoeForCausalLM(QwenMoeCausalLM):
     architectures = ("Qwen2MoeForCausalLM",)
 
     @classmethod
     def options(cls, config: Any) -> DenseOptions:
         return DenseOptions(qkv_bias=bool(getattr(config, "qkv_bias", True)))
-
-    @classmethod
-    def moe_spec(cls, config: Any) -> MoeSpec:
-        return MoeSpec(config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
-                       bool(config.norm_topk_prob))  # fmt: skip
-
-    @classmethod
-    def sparse_layer(cls, config: Any, layer_idx: int) -> bool:
-        return sparse_every(config, layer_idx)
 
     def shared_expert(self, config: Any, dims: DenseDims, opts: DenseOptions, dtype: torch.dtype) -> nn.Module:
         size = config.shared_expert_intermediate_size

@@ -475,7 +475,8 @@ class ControlRequest:
 
     @property
     def kind(self) -> str:
-        return self.op.KIND
+        """The operation's name (its type's, for something that is no operation: the receiver refuses it)."""
+        return getattr(self.op, "KIND", type(self.op).__name__)
 
 
 @dataclass(slots=True)

@@ -67,3 +67,8 @@ def test_a_route_body_declares_its_operations_fields_with_its_defaults(body, op)
     for name, info in body.model_fields.items():
         if not info.is_required():
             assert info.default == fields[name].default, name
+
+
+def test_a_request_without_an_operation_is_named_by_its_type() -> None:
+    """Receivers refuse it by that name ("unknown control operation 'Shutdown'") instead of failing."""
+    assert p.ControlRequest("id", p.Shutdown()).kind == "Shutdown"  # type: ignore[arg-type]

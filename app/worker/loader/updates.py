@@ -336,4 +336,4 @@ class WeightControl:
             return self.groups.receive(r.model, op.group_name, op.names, op.dtypes, op.shapes)
         if isinstance(op, UpdateWeightsFromTensor):
             return update_from_tensors(r.model, list(decode_named_tensors(op.tensors).items()))
-        raise UpdateError(f"unknown weight operation {op.KIND!r}")
+        raise UpdateError(f"unknown weight operation {type(op).__name__}")

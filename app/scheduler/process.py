@@ -202,12 +202,15 @@ class SchedulerLoop:
     def control(self, msg: p.ControlRequest) -> p.ControlReply:
         sched = self.scheduler
         assert sched is not None
-        if msg.kind == "flush_cache":
+        if isinstance(msg.op, p.FlushCache):
             n = sched.flush_cache()
             return p.ControlReply(msg.req_id, True, f"Cache flushed ({n} cached blocks dropped).")
-        if msg.kind == "get_loads":
+        if isinstance(msg.op, p.GetLoads):
             assert self.engine_control is not None
-            return p.ControlReply(msg.req_id, True, "", {**sched.loads(), **self.engine_control.status()})
+            control = self.engine_control
+            loads = p.Loads(self.replica, **sched.loads(), paused=control.paused,
+                            weight_update_in_progress=control.session is not None, queued_control_ops=control.num_queued)
+            return p.ControlReply(msg.req_id, True, "", loads)
         return p.ControlReply(msg.req_id, False, f"unknown control operation {msg.kind!r}")
 
     def _reply_error(self, rid: str, message: str, code: int) -> None:

@@ -301,7 +301,7 @@ def run_control(runner, msg: p.ControlRequest, heartbeat: lifecycle.Heartbeat | 
 
     def work() -> None:
         try:
-            outcome.append(p.ControlReply(msg.req_id, True, control.handle(msg.kind, msg.args)))
+            outcome.append(p.ControlReply(msg.req_id, True, control.handle(msg.op)))
         except Exception as exc:
             log.error("%s failed: %s", msg.kind, exc, exc_info=not isinstance(exc, ValueError))
             outcome.append(p.ControlReply(msg.req_id, False, str(exc) or type(exc).__name__))

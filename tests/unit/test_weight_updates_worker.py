@@ -4,6 +4,7 @@ SGLang-compatible trainers do (torch's _new_process_group_helper over PrefixStor
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import inspect
 import shutil
@@ -15,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save, save_file
 
+from app import protocol as p
 from app.worker.loader import load_hf_config, load_weights
 from app.worker.loader.update_group import open_update_group
 from app.worker.loader.updates import (
@@ -183,23 +185,22 @@ def test_broadcast_updates_over_a_gloo_group(model_dirs, sglang_style) -> None:
     wrong = torch.ones(7)
     trainer = threading.Thread(target=_trainer_group, args=(port, name, [norm, wrong], sglang_style))
     trainer.start()
-    joined = control.handle("init_weights_update_group", {"master_address": "127.0.0.1", "master_port": port,
-                                                          "rank_offset": 1, "world_size": 2, "group_name": name,
-                                                          "backend": "gloo"})
+    joined = control.handle(p.InitWeightsUpdateGroup("127.0.0.1", port, rank_offset=1, world_size=2, group_name=name,
+                                                     backend="gloo"))
     assert "rank 1 of 2" in joined
-    args = {"group_name": name, "names": ["model.norm.weight"], "dtypes": ["bfloat16"], "shapes": [[64]]}
-    assert control.handle("update_weights_from_distributed", args) == "Updated 1 tensors."
+    op = p.UpdateWeightsFromDistributed(["model.norm.weight"], ["bfloat16"], [[64]], group_name=name)
+    assert control.handle(op) == "Updated 1 tensors."
     assert torch.all(model.model.norm.weight == 2.0)
     # A broadcast whose announced shape does not fit: received in full (the trainer is not left hanging),
     # then refused as a whole.
-    bad = {**args, "names": ["model.norm.weight"], "shapes": [[7]], "dtypes": ["torch.float32"]}
+    bad = dataclasses.replace(op, shapes=[[7]], dtypes=["torch.float32"])
     with pytest.raises(UpdateError, match="has shape \\[7\\]"):
-        control.handle("update_weights_from_distributed", bad)
+        control.handle(bad)
     trainer.join(30)
     assert not trainer.is_alive() and torch.all(model.model.norm.weight == 2.0)
-    assert control.handle("destroy_weights_update_group", {"group_name": name}).startswith("Destroyed")
+    assert control.handle(p.DestroyWeightsUpdateGroup(name)).startswith("Destroyed")
     with pytest.raises(UpdateError, match="no weight update group"):
-        control.handle("update_weights_from_distributed", args)
+        control.handle(op)
 
 
 def test_group_arguments_are_checked() -> None:
@@ -217,5 +218,4 @@ def test_quantized_models_refuse_weight_changes(model_dirs) -> None:
     model, _ = loaded(model_dirs["a"])
     runner = SimpleNamespace(tp=SINGLE, device=torch.device("cpu"), model=model, quant_scheme=object())
     with pytest.raises(UpdateError, match="quantized"):
-        WeightControl(runner).handle("update_weights_from_tensor", {"tensors": save({"model.norm.weight":
-                                                                                     torch.ones(64)})})
+        WeightControl(runner).handle(p.UpdateWeightsFromTensor(save({"model.norm.weight": torch.ones(64)})))

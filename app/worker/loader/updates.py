@@ -26,6 +26,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load as load_safetensors
 
+from app.protocol import (
+    ControlOp,
+    DestroyWeightsUpdateGroup,
+    InitWeightsUpdateGroup,
+    UpdateWeightsFromDisk,
+    UpdateWeightsFromDistributed,
+    UpdateWeightsFromTensor,
+)
 from app.worker.layers import SHARD_ROWS
 from app.worker.layers.linear import SHARD_VIEW, TPSlice, tp_slice
 from app.worker.loader.hf_config import load_hf_config
@@ -309,22 +317,23 @@ class WeightControl:
         self.runner = runner
         self.groups = UpdateGroups(runner.tp.rank)
 
-    def handle(self, kind: str, args: dict[str, Any]) -> str:
+    def handle(self, op: ControlOp) -> str:
+        """Run one weight operation (weight_version and flush_cache are the scheduler's, not read here)."""
         r = self.runner
         if r.device.type == "cuda":
             torch.cuda.set_device(r.device)  # this may run on a helper thread
-        if kind == "init_weights_update_group":
-            return self.groups.init(args["master_address"], int(args["master_port"]), int(args["rank_offset"]),
-                                    int(args["world_size"]), args["group_name"], args["backend"])
-        if kind == "destroy_weights_update_group":
-            return self.groups.destroy(args["group_name"])
+        if isinstance(op, InitWeightsUpdateGroup):
+            return self.groups.init(op.master_address, op.master_port, op.rank_offset, op.world_size,
+                                    op.group_name, op.backend)
+        if isinstance(op, DestroyWeightsUpdateGroup):
+            return self.groups.destroy(op.group_name)
         if getattr(r, "quant_scheme", None) is not None:
             raise UpdateError("weights not updated: updating a quantized model's weights is not supported yet")
-        if kind == "update_weights_from_disk":
+        if isinstance(op, UpdateWeightsFromDisk):
             roots = allowed_roots(r.model_dir, r.settings)
-            return update_from_disk(r.model, r.config, r.settings, args["model_path"], args.get("load_format"), roots)
-        if kind == "update_weights_from_distributed":
-            return self.groups.receive(r.model, args["group_name"], args["names"], args["dtypes"], args["shapes"])
-        if kind == "update_weights_from_tensor":
-            return update_from_tensors(r.model, list(decode_named_tensors(args["tensors"]).items()))
-        raise UpdateError(f"unknown weight operation {kind!r}")
+            return update_from_disk(r.model, r.config, r.settings, op.model_path, op.load_format, roots)
+        if isinstance(op, UpdateWeightsFromDistributed):
+            return self.groups.receive(r.model, op.group_name, op.names, op.dtypes, op.shapes)
+        if isinstance(op, UpdateWeightsFromTensor):
+            return update_from_tensors(r.model, list(decode_named_tensors(op.tensors).items()))
+        raise UpdateError(f"unknown weight operation {type(op).__name__}")

@@ -58,6 +58,7 @@ from app.worker.transfer import upload
 
 logger = logging.getLogger(__name__)
 
+
 class ModelRunner:
     """Start-up (model, attention backend, KV pool, CUDA graphs, each from its own module), then one
     StepPlan at a time: launch() and finish()."""

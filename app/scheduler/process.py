@@ -11,6 +11,7 @@ import zmq
 from app import ipc, lifecycle
 from app import protocol as p
 from app.config.kv_events import parse_kv_events_config
+from app.config.settings import Settings
 from app.ipc import Endpoints
 from app.metrics.kv_events import KVEventPublisher, KVEventRecorder
 from app.metrics.request_stats import FinishLogger
@@ -30,7 +31,7 @@ CONTROL_POLL_MS = 10  # inbox wait while the worker runs a control operation (it
 class SchedulerLoop:
     """Owns the sockets; one iteration = take inbox messages, run one step, publish deltas."""
 
-    def __init__(self, settings, endpoints: Endpoints, ctx: zmq.Context, replica: int = 0) -> None:
+    def __init__(self, settings: Settings, endpoints: Endpoints, ctx: zmq.Context, replica: int = 0) -> None:
         self.settings = settings
         self.ctx = ctx
         self.replica = replica  # the data-parallel replica this scheduler drives (app/topology.py)
@@ -242,7 +243,7 @@ class SchedulerLoop:
             self._log_window = (start, tokens)
 
 
-def run_scheduler(settings, endpoints: Endpoints, replica: int = 0) -> None:
+def run_scheduler(settings: Settings, endpoints: Endpoints, replica: int = 0) -> None:
     """Process entry (multiprocessing spawn target)."""
     name = Topology.from_settings(settings).scheduler_name(replica)
     lifecycle.init_child(name, settings.log_level)

@@ -34,8 +34,9 @@ from app.worker.models.dense import DenseCausalLM
 from app.worker.parallel import SINGLE
 from tests.support.appliance import free_port
 from tests.support.model_factory import build_tiny_model
+from tests.support.settings import make_settings
 
-SETTINGS = SimpleNamespace(hf_overrides={}, trust_remote_code=False, download_dir=None, weight_update_roots=[])
+SETTINGS = make_settings()  # the defaults: no download dir, no extra roots
 EVERYWHERE = [Path("/")]  # roots for the tests that are not about them
 
 
@@ -104,8 +105,8 @@ def test_disk_reloads_read_only_below_the_allowed_roots(model_dirs, tmp_path) ->
     symbolic link leading out, or one that does not exist all get the same answer, naming nothing found."""
     model, config = loaded(model_dirs["a"])
     before = snapshot(model)
-    settings = SimpleNamespace(**{**vars(SETTINGS), "download_dir": str(tmp_path / "cache"),
-                                  "weight_update_roots": [str(model_dirs["b"].parent / "wide")]})
+    settings = make_settings(download_dir=str(tmp_path / "cache"),
+                             weight_update_roots=[str(model_dirs["b"].parent / "wide")])
     roots = allowed_roots(model_dirs["a"], settings)
     assert roots == [model_dirs["a"].resolve(), (tmp_path / "cache").resolve(), (model_dirs["b"].parent / "wide").resolve()]
     (tmp_path / "escape").symlink_to(model_dirs["b"])  # b exists, but is not below a root

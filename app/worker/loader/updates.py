@@ -26,6 +26,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load as load_safetensors
 
+from app.config.settings import Settings
 from app.protocol import (
     ControlOp,
     DestroyWeightsUpdateGroup,
@@ -170,7 +171,7 @@ def _header_entries(load_format: str, files: list[Path]) -> Iterator[tuple[str, 
                 yield name, tuple(tensor.shape), _dtype_name(tensor.dtype)
 
 
-def _check_config(served: Any, model_dir: Path, settings: Any) -> None:
+def _check_config(served: Any, model_dir: Path, settings: Settings) -> None:
     new = load_hf_config(model_dir, settings.hf_overrides, settings.trust_remote_code).to_dict()
     old = served.to_dict()
     differ = [key for key in _SAME_CONFIG if old.get(key) != new.get(key)]
@@ -180,7 +181,7 @@ def _check_config(served: Any, model_dir: Path, settings: Any) -> None:
                           "serving another architecture needs a new appliance")
 
 
-def allowed_roots(served_dir: Path, settings: Any) -> list[Path]:
+def allowed_roots(served_dir: Path, settings: Settings) -> list[Path]:
     """Where update_weights_from_disk may read: the served model's directory, the download cache and
     --weight-update-roots, with symbolic links resolved."""
     from huggingface_hub.constants import HF_HUB_CACHE
@@ -193,7 +194,7 @@ def _below(path: Path, roots: list[Path]) -> bool:
     return any(path == root or root in path.parents for root in roots)
 
 
-def _update_dir(model_path: str, fmt: str, settings: Any, roots: list[Path]) -> Path:
+def _update_dir(model_path: str, fmt: str, settings: Settings, roots: list[Path]) -> Path:
     """The checkpoint directory an update reads, refused (UpdateError) unless it lies below a root. The
     check comes before any file is read, and its message is the same whether the path exists or not:
     a caller learns nothing of the file system outside the roots."""
@@ -208,7 +209,7 @@ def _update_dir(model_path: str, fmt: str, settings: Any, roots: list[Path]) -> 
     return model_dir
 
 
-def update_from_disk(model: DenseCausalLM, served_config: Any, settings: Any, model_path: str,
+def update_from_disk(model: DenseCausalLM, served_config: Any, settings: Settings, model_path: str,
                      load_format: str | None, roots: list[Path]) -> str:
     """Reload every weight from a checkpoint directory (or Hub id) of the same model, below `roots`."""
     fmt = load_format or "auto"

@@ -1,0 +1,110 @@
+"""The standalone draft model (`--speculative-algorithm STANDALONE --speculative-draft-model-path M`): a
+smaller dense model of the same tokenizer drafts greedily, k tokens a step, from its own paged KV cache
+(app/worker/spec/drafter.py: same block ids as the target's).
+
+Its cache holds the committed tokens at their positions, as the target's does. After each target step
+it catches up: verified drafts it wrote itself stay (same tokens, same positions), so it feeds only what
+it lacks: the chunk's tokens after a prefill chunk, the token the target sampled after a verify (and the
+last draft, when every draft was accepted). A prefix-cache hit or a preemption's recompute is fed in
+full (the draft recomputes it, in forwards of at most the step's token budget).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from app.worker.attention import AttentionMetadata, AttentionSpec
+from app.worker.kv_cache import KVCacheSpec
+from app.worker.loader import load_hf_config, load_weights, resolve_model_path
+from app.worker.models import DenseCausalLM, model_class_for
+from app.worker.quantization import Fp8LinearMethod, resolve_quantization
+from app.worker.spec.drafter import ChainDrafter, Feed
+from app.worker.spec.proposer import TargetStep
+
+# --speculative-draft-model-quantization values this build runs (others are refused naming the flag).
+DRAFT_QUANTIZATIONS = ("unquant", "fp8")
+
+
+class DraftModelProposer(ChainDrafter):
+    def __init__(self, model: DenseCausalLM, device: torch.device, max_slots: int, max_tokens: int) -> None:
+        super().__init__(device, max_slots, model.dims.hidden, model.dtype, max_tokens)
+        self.model = model
+
+    @classmethod
+    def load(cls, settings: Any, target_config: Any, device: torch.device, dtype: torch.dtype,
+             max_model_len: int, max_slots: int, max_tokens: int) -> DraftModelProposer:
+        """Load --speculative-draft-model-path beside the target (same dtype, its own quantization)."""
+        return cls(load_draft_model(settings, target_config, device, dtype, max_model_len), device, max_slots,
+                   max_tokens)
+
+    @property
+    def cache_spec_for(self) -> Callable[[torch.dtype], KVCacheSpec]:
+        return self.model.kv_cache_spec
+
+    @property
+    def attention_spec(self) -> AttentionSpec:
+        return self.model.attention_spec
+
+    def _forward(self, ids: torch.Tensor, meta: AttentionMetadata, rows: torch.Tensor,
+                 feature: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            hidden = self.model(ids, meta.batch.positions, meta).index_select(0, rows)
+            return self.model.compute_logits(hidden).argmax(dim=-1), hidden
+
+    def _catch_up(self, step: TargetStep) -> Feed:
+        feed = Feed()
+        for i, slot in enumerate(step.slots):
+            seq = self.seqs.get(slot)
+            if seq is None:
+                continue
+            seq.tokens += step.new_tokens[i]
+            seq.confirm(step.start[i] + step.kept[i])
+            sampled = bool(step.new_tokens[i])
+            end = len(seq.tokens) if sampled else step.start[i] + step.kept[i]
+            if end > seq.valid:
+                feed.add(slot, seq.valid, seq.tokens[seq.valid : end], sampled)
+                seq.valid = seq.fed = end
+        return feed
+
+    def _chain_position(self, num_tokens: int, j: int) -> int:
+        return num_tokens - 1 + j  # step j feeds draft j after the last committed token
+
+    def _fed_after_chain(self, num_tokens: int, k: int) -> int:
+        return num_tokens + k - 1
+
+
+def load_draft_model(settings: Any, target_config: Any, device: torch.device, dtype: torch.dtype,
+                     max_model_len: int) -> DenseCausalLM:
+    """The draft model, checked against the target: a supported dense family, the same vocabulary, a
+    context at least the target's --max-model-len."""
+    flag = "--speculative-draft-model-path"
+    path = settings.speculative_draft_model_path
+    if not path:
+        raise ValueError(f"speculative decoding with a draft model needs {flag}")
+    quant_flag = settings.speculative_draft_model_quantization
+    if quant_flag not in DRAFT_QUANTIZATIONS:
+        raise ValueError(f"--speculative-draft-model-quantization {quant_flag!r} is not supported; choose from "
+                         f"{', '.join(DRAFT_QUANTIZATIONS)}")
+    model_dir = resolve_model_path(path, settings.load_format, None, settings.download_dir,
+                                   settings.trust_remote_code)
+    config = load_hf_config(model_dir, None, settings.trust_remote_code)
+    if int(config.vocab_size) != int(target_config.vocab_size):
+        raise ValueError(f"{flag} {path}: its vocabulary ({config.vocab_size} tokens) differs from the target's "
+                         f"({target_config.vocab_size}); a draft model must share the target's tokenizer")
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and int(limit) < max_model_len:
+        raise ValueError(f"{flag} {path}: its context ({limit} positions) is shorter than --max-model-len "
+                         f"{max_model_len}")
+    try:
+        cls = model_class_for(config)
+    except ValueError as exc:
+        raise ValueError(f"{flag} {path}: {exc}") from None
+    scheme = resolve_quantization("fp8" if quant_flag == "fp8" else None, config)
+    with torch.device(device):
+        model = cls(config, dtype, max_model_len, quant=Fp8LinearMethod(scheme) if scheme is not None else None)
+    model.to(device)
+    load_weights(model, model_dir, settings.load_format)
+    return model.eval()

@@ -48,11 +48,20 @@ class DraftModelProposer(ChainDrafter):
     def attention_spec(self) -> AttentionSpec:
         return self.model.attention_spec
 
-    def _forward(self, ids: torch.Tensor, meta: AttentionMetadata, rows: torch.Tensor,
-                 feature: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        with torch.no_grad():
-            hidden = self.model(ids, meta.batch.positions, meta).index_select(0, rows)
-            return self.model.compute_logits(hidden).argmax(dim=-1), hidden
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.model.dims.vocab_size
+
+    def _hidden(self, ids: torch.Tensor, positions: torch.Tensor, feature: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.model(ids, positions, meta)
+        return hidden, hidden  # a draft model reads no features: the chain carries its hidden unused
+
+    def _logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model.compute_logits(hidden, out)
+
+    def _to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids  # the same vocabulary
 
     def _catch_up(self, step: TargetStep) -> Feed:
         feed = Feed()

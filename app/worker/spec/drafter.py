@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from app.worker.attention import (
     AttentionBackend,
@@ -35,6 +36,7 @@ from app.worker.attention import (
     build_attention_batch,
     make_attention_backend,
 )
+from app.worker.cuda_graphs import DecodeGraphs
 from app.worker.kv_cache import KVCache, KVCacheSpec
 from app.worker.spec.proposer import Draft, Proposer, TargetStep
 
@@ -97,6 +99,8 @@ class ChainDrafter(Proposer):
         self.attention: AttentionBackend | None = None
         self.block_tables: torch.Tensor | None = None
         self.block_size = 0
+        self.graphs: DecodeGraphs | None = None  # the chain step's, once captured
+        self.chain_ids = torch.zeros(max_slots, dtype=torch.int64, device=self.device)  # the graphs' input
 
     # ---- the model, per subclass
 
@@ -110,10 +114,31 @@ class ChainDrafter(Proposer):
     def attention_spec(self) -> AttentionSpec: ...
 
     @abstractmethod
+    def _hidden(self, ids: torch.Tensor, positions: torch.Tensor, feature: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft's forward over a planned batch: (the hidden states its LM head reads, [T, hidden];
+        the next step's features [T, hidden], or the same hidden for a draft that reads none)."""
+
+    @abstractmethod
+    def _logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[R, hidden] -> the draft's logits [R, its vocabulary] (into out, a graph's static buffer)."""
+
+    @abstractmethod
+    def _to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids of the draft's vocabulary -> the target's."""
+
+    @property
+    @abstractmethod
+    def draft_vocab_size(self) -> int: ...
+
     def _forward(self, ids: torch.Tensor, meta: AttentionMetadata, rows: torch.Tensor,
                  feature: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the draft over a planned batch; -> (target token ids of the argmax at `rows`, [R] int64,
-        the rows' features [R, hidden] for the next step; a draft without features returns its hidden)."""
+        the rows' features [R, hidden] for the next step)."""
+        with torch.no_grad():
+            hidden, feature = self._hidden(ids, meta.batch.positions, feature, meta)
+            logits = self._logits(hidden.index_select(0, rows))
+            return self._to_target(logits.argmax(dim=-1)), feature.index_select(0, rows)
 
     # ---- sizing and attaching
 
@@ -175,10 +200,33 @@ class ChainDrafter(Proposer):
 
     def _step(self, slots: list[int], lens: list[int], j: int, ids: torch.Tensor, feature: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
-        positions = [self._chain_position(n, j) for n in lens]
-        meta = self._plan(slots, [1] * len(slots), [p + 1 for p in positions])
+        seq_lens = [self._chain_position(n, j) + 1 for n in lens]
+        if self.graphs is not None and self.graphs.size_for(len(slots)) is not None:
+            return self._replay(slots, seq_lens, ids, feature)
+        meta = self._plan(slots, [1] * len(slots), seq_lens)
         rows = torch.arange(len(slots), device=self.device)
         return self._forward(ids, meta, rows, feature)
+
+    # ---- CUDA graphs of the chain's one-token steps
+
+    def capture_graphs(self, sizes: list[int]) -> None:
+        """Capture the chain step at these batch sizes (CUDA, a backend that captures; after attach()):
+        a step is then one replay, like the target's decode steps (app/worker/cuda_graphs.py), its pad
+        rows on the scratch block (the cache's last)."""
+        assert self.cache is not None and self.attention is not None and self.block_tables is not None
+        self.step_module = _ChainStep(self, max(sizes))
+        self.graphs = DecodeGraphs(self.step_module, self.attention, sizes, self.block_tables.shape[1],
+                                   self.block_size, self.cache.num_blocks - 1, self.draft_vocab_size, self.device)
+        self.graphs.capture()
+
+    def _replay(self, slots: list[int], seq_lens: list[int], ids: torch.Tensor, feature: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.graphs is not None and self.block_tables is not None
+        index = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        self.chain_ids.index_copy_(0, index, ids)
+        self.step_module.feature_in[: len(slots)].copy_(feature)
+        logits = self.graphs.run(slots, seq_lens, self.block_tables, self.chain_ids)
+        return self._to_target(logits.argmax(dim=-1)), self.step_module.feature_out[: len(slots)].clone()
 
     def _plan(self, slots: list[int], query_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
         assert self.attention is not None and self.block_tables is not None, "attach() the drafter first"
@@ -223,3 +271,24 @@ def _split_feed(feed: Feed, limit: int) -> list[Feed]:
     if current.slots:
         parts.append(current)
     return parts
+
+
+class _ChainStep(nn.Module):
+    """DecodeGraphs' model interface over a drafter's one-token step: the features in and out live in
+    static buffers (a graph reads and writes fixed addresses)."""
+
+    def __init__(self, drafter: ChainDrafter, rows: int) -> None:
+        super().__init__()
+        self.drafter = (drafter,)  # a tuple: not a submodule
+        self.dtype = drafter.feature.dtype
+        self.feature_in = torch.zeros(rows, drafter.feature.shape[1], dtype=self.dtype, device=drafter.device)
+        self.feature_out = torch.zeros_like(self.feature_in)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        n = ids.shape[0]
+        hidden, feature = self.drafter[0]._hidden(ids, positions, self.feature_in[:n], meta)
+        self.feature_out[:n].copy_(feature)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.drafter[0]._logits(hidden, out)

@@ -70,13 +70,20 @@ class Eagle3Proposer(ChainDrafter):
     def attention_spec(self) -> AttentionSpec:
         return self.head.attention_spec
 
-    def _forward(self, ids: torch.Tensor, meta: AttentionMetadata, rows: torch.Tensor,
-                 feature: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.head.draft_vocab_size
+
+    def _hidden(self, ids: torch.Tensor, positions: torch.Tensor, feature: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         assert feature is not None, "the head reads a feature at every position"
-        with torch.no_grad():
-            normed, prenorm = self.head(ids, meta.batch.positions, feature, meta)
-            logits = self.head.compute_logits(normed.index_select(0, rows))
-            return self.head.to_target_ids(logits.argmax(dim=-1)), prenorm.index_select(0, rows)
+        return self.head(ids, positions, feature, meta)
+
+    def _logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.head.lm_head(hidden, out)
+
+    def _to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head.to_target_ids(ids)
 
     def _catch_up(self, step: TargetStep) -> Feed:
         if step.aux_hidden is None:

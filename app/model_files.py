@@ -207,15 +207,18 @@ def fetch(settings: Any, source: str, load_format: str) -> Path:
     except ModelUnavailable as exc:
         if source == settings.model:
             raise
-        raise ModelUnavailable(f"--tokenizer {source}: {exc}") from None
+        flag = "--tokenizer" if source == settings.tokenizer else "--speculative-draft-model-path"
+        raise ModelUnavailable(f"{flag} {source}: {exc}") from None
 
 
 def hub_sources(settings: Any) -> list[tuple[str, str]]:
-    """What a start fetches, each with the load format that decides its weights: the model, and the
-    tokenizer when it names another repo (its files only). Local directories are left out; a path
-    that does not exist stays in, so that resolve() reports it."""
+    """What a start fetches, each with the load format that decides its weights: the model, the
+    tokenizer when it names another repo (its files only) and a speculative draft model or EAGLE-3
+    head. Local directories are left out; a path that does not exist stays in, so that resolve()
+    reports it."""
     out: list[tuple[str, str]] = []
-    for source, fmt in ((settings.model, settings.load_format), (settings.tokenizer, "dummy")):
+    for source, fmt in ((settings.model, settings.load_format), (settings.tokenizer, "dummy"),
+                        (settings.speculative_draft_model_path, settings.load_format)):
         if source and source not in (s for s, _ in out):
             if Path(source).expanduser().is_dir():
                 continue

@@ -81,6 +81,8 @@ from app.worker.sampling import SamplerOutput, make_sampler
 from app.worker.sampling.grammar import Deferred, GrammarRows
 from app.worker.sampling.logprobs import DeviceLogprobs
 from app.worker.sampling.prompt_logprobs import PromptLogprobs, PromptRows, PromptWant
+from app.worker.spec.decoder import SpecDecoder, VerifyOut, VerifyRows, make_spec_decoder
+from app.worker.spec.proposer import TargetStep
 from app.worker.transfer import upload
 
 logger = logging.getLogger(__name__)
@@ -168,6 +170,8 @@ class PendingStep:
     failed: dict[int, str] = field(default_factory=dict)  # sequences refused at launch: slot -> why
     grammar: Deferred | None = None  # constrained rows whose matchers await these tokens
     prompt: PromptLogprobs | None = None  # prompt logprobs computed in this step (TP leader)
+    spec: VerifyOut | None = None  # speculative decoding: the verify rows' outcome (host)
+    observed: TargetStep | None = None  # what the proposer hears once the step's tokens are known
 
     def ready(self) -> bool:
         """Whether finish() would return without waiting for the device."""
@@ -232,6 +236,7 @@ class ModelRunner:
         )
         # Structured output (sampling/grammar.py): matchers live where the tokens are sampled, the TP leader.
         self.grammar = GrammarRows(self._grammar_info, self.vocab_size, self.device, self.max_num_seqs)
+        self.spec = self._spec_decoder()
         self.clock.enter("kernels")
         self.attention_backend_name = resolve_attention_backend(
             settings.attention_backend, self.device, self.dtype, self.model.attention_spec.head_dim
@@ -286,6 +291,14 @@ class ModelRunner:
         )
 
     # ------------------------------------------------------------------ start-up
+
+    def _spec_decoder(self) -> SpecDecoder | None:
+        """Speculative decoding (app/worker/spec): drafts are made and verified on the host of one rank."""
+        if getattr(self.settings, "speculative_algorithm", None) is None:  # getattr: the GPU tests' settings
+            return None
+        if self.tp.size > 1:
+            raise ValueError("speculative decoding with --tensor-parallel-size > 1 is not supported yet")
+        return make_spec_decoder(self.settings, self.block_size, self.device, self.vocab_size)
 
     def _configure_pdl(self) -> bool:
         """Programmatic dependent launch for the decode-path Triton kernels (--enable-pdl): on one GPU of
@@ -705,6 +718,14 @@ class ModelRunner:
 
     def finish(self, pending: PendingStep) -> StepResult:
         """Wait for a launched step's results and build its StepResult."""
+        result = self._finish(pending)
+        if pending.spec is not None:
+            _merge_verified(result, pending.spec)
+        if self.spec is not None and pending.observed is not None:
+            self.spec.observe(pending.observed, result, pending.spec)
+        return result
+
+    def _finish(self, pending: PendingStep) -> StepResult:
         extra: dict[str, Any] = {"failed_slots": list(pending.failed), "failed_errors": list(pending.failed.values())}
         if pending.prompt is not None:
             extra["prompt_slots"], extra["prompt_logprobs"] = pending.prompt.read()
@@ -741,6 +762,8 @@ class ModelRunner:
 
     def _register(self, seq: NewSeq) -> None:
         self.sampler.add_seq(seq.slot, seq.rid, seq.sampling, list(seq.prompt_ids), list(seq.output_ids))
+        if self.spec is not None:
+            self.spec.register(seq)
         if seq.sampling.grammar is not None and self.tp.leader:
             try:
                 self.grammar.add(seq.slot, seq.sampling.grammar, list(seq.output_ids))
@@ -760,6 +783,8 @@ class ModelRunner:
         if self.slots.active[slot]:
             self.sampler.remove_seq(slot)
             self.grammar.remove(slot)
+            if self.spec is not None:
+                self.spec.release(slot)
             self.slots.release(slot)
             self._prompt_want.pop(slot, None)
 
@@ -795,7 +820,13 @@ class ModelRunner:
         s.write_blocks(appends)
         for slot, first, ids in appends:
             s.num_blocks[slot] = first + len(ids)
-        step = self._layout(plan.chunks)
+        chunks, verify = self.spec.expand(plan.chunks) if self.spec is not None else (plan.chunks, VerifyRows())
+        step = self._layout(chunks)
+        num_sampled = len(step.sample_rows)
+        if verify.slots:  # their logits are read at every fed position and verified, not sampled
+            _verify_rows(step, verify)
+            num_sampled = len(step.sample_rows)
+            step.sample_rows += verify.positions()
         if self._graphable(step):
             for slot, length in zip(step.slots, step.seq_lens, strict=True):
                 s.seq_len[slot] = length  # the graph's own buffers get the lengths on the device
@@ -805,7 +836,46 @@ class ModelRunner:
             logits, prompt = self._eager_logits(step)
         for chunk in plan.chunks:  # fed tokens supersede a sampled one; sampling below sets it again
             s.has_token[chunk.slot] = False
-        if logits is None:
+        verified = None
+        if verify.slots:
+            assert logits is not None
+            verified = self._verify(logits[num_sampled:], verify)
+            logits = logits[:num_sampled]
+            del step.sample_rows[num_sampled:]
+        pending = self._sample(plan, step, logits, prompt)
+        pending.spec = verified
+        if self.spec is not None:
+            self._trim_drafting(plan.chunks)
+            starts = [length - n for length, n in zip(step.seq_lens, step.query_lens, strict=True)]
+            pending.observed = self.spec.target_step(chunks, starts)
+        return pending
+
+    def _verify(self, logits: torch.Tensor, verify: VerifyRows) -> VerifyOut:
+        """Accept the verify rows' drafts; each slot keeps its fed positions up to the last accepted
+        draft and will feed the token sampled after them next."""
+        s = self.slots
+        out = self.spec.verify(logits, verify)  # type: ignore[union-attr]
+        lengths = [s.seq_len[slot] - len(d) + len(kept) for slot, d, kept in
+                   zip(verify.slots, verify.drafts, out.accepted, strict=True)]
+        s.set_lengths(verify.slots, lengths)
+        s.last_token.index_copy_(0, upload(verify.slots, torch.int64, self.device),
+                                 upload(out.next_tokens, torch.int64, self.device))
+        for slot in verify.slots:
+            s.has_token[slot] = True
+        return out
+
+    def _trim_drafting(self, chunks: list[SeqChunk]) -> None:
+        """A drafting chunk's slot keeps the blocks of its kept tokens and the next (protocol.SeqChunk)."""
+        s = self.slots
+        for chunk in chunks:
+            if chunk.num_draft:
+                s.num_blocks[chunk.slot] = min(s.num_blocks[chunk.slot], self.spec.blocks_kept(s.seq_len[chunk.slot]))  # type: ignore[union-attr]
+
+    def _sample(self, plan: StepPlan, step: _Step, logits: torch.Tensor | None,
+                prompt: PromptLogprobs | None) -> PendingStep:
+        """Sample the rows that ask and start reading the tokens back."""
+        s = self.slots
+        if logits is None or not step.sample_slots:
             return PendingStep(step=plan.step, prompt=prompt)
         # Sampling happens once, on the TP leader; the other ranks take its tokens (the next step's input).
         constrained = self.grammar.mask(logits, step.sample_slots) if self.tp.leader else None
@@ -956,8 +1026,10 @@ class ModelRunner:
             raise PlanError(f"decode chunk for slot {chunk.slot}, which has no sampled token to feed")
         elif not chunk.sample:
             raise PlanError(f"decode chunk for slot {chunk.slot} must sample")
+        if chunk.num_draft and (self.spec is None or chunk.token_ids or not chunk.sample):
+            raise PlanError(f"slot {chunk.slot}: drafts are verified after a decode only, with speculation on")
         start = new.num_cached_tokens if new else s.seq_len[chunk.slot]
-        end = start + max(len(chunk.token_ids), 1)
+        end = start + max(len(chunk.token_ids), 1) + chunk.num_draft
         if end > blocks * self.block_size:
             raise PlanError(
                 f"slot {chunk.slot}: context of {end} tokens exceeds its {blocks} blocks of {self.block_size}"
@@ -967,6 +1039,28 @@ class ModelRunner:
                 f"slot {chunk.slot}: context of {end} tokens exceeds max_model_len {self.max_model_len}"
             )
         return error
+
+
+def _verify_rows(step: _Step, verify: VerifyRows) -> None:
+    """Find the verify rows' first flat rows; they leave the rows the sampler draws."""
+    first = dict(zip(step.slots, np.cumsum([0, *step.query_lens[:-1]]).tolist(), strict=True))
+    verify.rows = [first[slot] for slot in verify.slots]
+    kept = [(row, slot) for row, slot in zip(step.sample_rows, step.sample_slots, strict=True)
+            if slot not in set(verify.slots)]
+    step.sample_rows = [row for row, _ in kept]
+    step.sample_slots = [slot for _, slot in kept]
+
+
+def _merge_verified(result: StepResult, out: VerifyOut) -> None:
+    """The verify rows' tokens join the step's result after its sampled rows (protocol.StepResult)."""
+    n = len(result.slots)
+    result.accepted_ids = [[] for _ in range(n)] + out.accepted
+    result.draft_counts = [0] * n + out.drafted
+    result.slots = result.slots + out.slots
+    result.token_ids = result.token_ids + out.next_tokens
+    if result.logprobs:
+        result.logprobs = result.logprobs + [None] * len(out.slots)
+    result.bad_slots = result.bad_slots + [slot for slot, bad in zip(out.slots, out.bad, strict=True) if bad]
 
 
 def _host_tokens(pending: PendingStep) -> tuple[np.ndarray, np.ndarray]:

@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     layers = runner.model.dims.num_layers
     proposer = Eagle3Proposer(head.eval(), default_capture_layers(layers), device, 1, args.context)
     # Its own cache over the blocks slot 0 holds (ids < blocks), plus the scratch block graphs pad with.
-    proposer.attach(blocks + 1, runner.block_size, runner.slots.block_tables, runner.dtype,
+    proposer.attach(blocks + 1, runner.block_size, runner.slots.block_tables, runner.slots.num_blocks, runner.dtype,
                     args.drafter_attention_backend or runner.attention_backend_name)
     proposer.register(0, prompt)
     aux = torch.randn(args.context, 3 * config.hidden_size, generator=None, device=device).to(runner.dtype)

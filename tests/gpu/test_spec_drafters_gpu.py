@@ -37,7 +37,7 @@ def test_graphed_chain_equals_eager(dirs: tuple[Path, Path], method: str) -> Non
         proposer = Eagle3Proposer.load(cpu.settings(head_dir), model, CUDA, torch.float32, cpu.MAX_LEN, cpu.SLOTS, 64)
     width = cpu.MAX_LEN // cpu.BLOCK
     tables = torch.arange(cpu.SLOTS * width, dtype=torch.int32, device=CUDA).view(cpu.SLOTS, width)
-    proposer.attach(cpu.SLOTS * width + 1, cpu.BLOCK, tables, torch.float32, "triton")
+    proposer.attach(cpu.SLOTS * width + 1, cpu.BLOCK, tables, [width] * cpu.SLOTS, torch.float32, "triton")
     ids = torch.tensor([3, 9], device=CUDA)
     feature = torch.randn(2, proposer.feature.shape[1], device=CUDA)
     with torch.no_grad():

@@ -90,7 +90,8 @@ def speculate(model: DenseCausalLM, proposer: ChainDrafter, prompts: list[list[i
     """The greedy verify loop; -> (the first n output tokens of each prompt, accepted / drafted)."""
     target = Target(model, proposer.capture_layers)
     slots = list(range(len(prompts)))
-    proposer.attach(target.cache.num_blocks, BLOCK, target.block_tables, torch.float32, "torch")
+    proposer.attach(target.cache.num_blocks, BLOCK, target.block_tables, [MAX_LEN // BLOCK] * SLOTS,
+                    torch.float32, "torch")
     for slot, prompt in zip(slots, prompts, strict=True):
         proposer.register(slot, list(prompt))
     # the prefill, in two chunks: the proposer catches up over both

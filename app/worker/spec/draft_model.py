@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from app.model_files import draft_load_format
 from app.worker.attention import AttentionMetadata, AttentionSpec
 from app.worker.kv_cache import KVCacheSpec
 from app.worker.loader import load_hf_config, load_weights, resolve_model_path
@@ -71,18 +72,29 @@ class DraftModelProposer(ChainDrafter):
                 continue
             seq.tokens += step.new_tokens[i]
             seq.confirm(step.start[i] + step.kept[i])
-            sampled = bool(step.new_tokens[i])
-            end = len(seq.tokens) if sampled else step.start[i] + step.kept[i]
-            if end > seq.valid:
-                feed.add(slot, seq.valid, seq.tokens[seq.valid : end], sampled)
-                seq.valid = seq.fed = end
+            # A chunk that did not sample: up to what the target fed; else the new token too.
+            self._feed_slot(feed, slot, len(seq.tokens) if step.new_tokens[i] else step.start[i] + step.kept[i])
         return feed
+
+    def _late_catch_up(self, slots: list[int]) -> Feed:
+        feed = Feed()
+        for slot in slots:
+            if not self.seqs[slot].ready:
+                self._feed_slot(feed, slot, len(self.seqs[slot].tokens))
+        return feed
+
+    def _feed_slot(self, feed: Feed, slot: int, end: int) -> None:
+        """Feed the slot's committed tokens from its valid prefix to `end`, as far as its blocks reach (the
+        sampled token's position may lie in a block the next step brings); the last committed token fed
+        gives the first draft."""
+        seq = self.seqs[slot]
+        end = min(end, self.capacity(slot))
+        if end > seq.valid:
+            feed.add(slot, seq.valid, seq.tokens[seq.valid : end], end == len(seq.tokens))
+            seq.valid = seq.fed = end
 
     def _chain_position(self, num_tokens: int, j: int) -> int:
         return num_tokens - 1 + j  # step j feeds draft j after the last committed token
-
-    def _fed_after_chain(self, num_tokens: int, k: int) -> int:
-        return num_tokens + k - 1
 
 
 def load_draft_model(settings: Any, target_config: Any, device: torch.device, dtype: torch.dtype,
@@ -97,7 +109,7 @@ def load_draft_model(settings: Any, target_config: Any, device: torch.device, dt
     if quant_flag not in DRAFT_QUANTIZATIONS:
         raise ValueError(f"--speculative-draft-model-quantization {quant_flag!r} is not supported; choose from "
                          f"{', '.join(DRAFT_QUANTIZATIONS)}")
-    model_dir = resolve_model_path(path, settings.load_format, None, settings.download_dir,
+    model_dir = resolve_model_path(path, draft_load_format(settings.load_format), None, settings.download_dir,
                                    settings.trust_remote_code)
     config = load_hf_config(model_dir, None, settings.trust_remote_code)
     if int(config.vocab_size) != int(target_config.vocab_size):
@@ -115,5 +127,5 @@ def load_draft_model(settings: Any, target_config: Any, device: torch.device, dt
     with torch.device(device):
         model = cls(config, dtype, max_model_len, quant=Fp8LinearMethod(scheme) if scheme is not None else None)
     model.to(device)
-    load_weights(model, model_dir, settings.load_format)
+    load_weights(model, model_dir, draft_load_format(settings.load_format))
     return model.eval()

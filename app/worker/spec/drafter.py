@@ -7,17 +7,18 @@ included), prefix sharing and frees cover both, and the pool's size counts both 
 (`kv_bytes_per_token`). The runner builds a drafter before it sizes the pool and attaches it to the
 pool's blocks and its slots' block tables afterwards:
 
-    drafter = DraftModelProposer.load(settings, target, device, dtype, max_model_len)   # weights
-    bytes_per_token = target_bytes + drafter.kv_bytes_per_token(kv_dtype)              # sizing
-    drafter.attach(num_blocks + 1, block_size, slots.block_tables, kv_dtype, backend)   # + scratch
+    drafter = load_model_drafter(settings, target, ...)                 # weights (model_drafts.py)
+    bytes_per_token = target_bytes + drafter.kv_bytes_per_token(dtype)   # sizing
+    drafter.attach(num_blocks + 1, block_size, slots.block_tables, slots.num_blocks, dtype, backend)
 
 Each step, observe() runs the draft over what the target just kept (a prefill chunk, or the verified
 positions), so that its cache catches up, and for a sequence that sampled it keeps the draft's first
-token for it (`first`). propose() then runs k - 1 one-token steps from there, feeding each draft back
-(top-1 chain). Drafts are the argmax of the draft's logits, a deterministic draft (Draft.probs None):
-the verifier keeps the target's distribution exactly with it. The block tables must already cover the
-positions the drafts are written at when propose() runs: they lie below the verify's, which the
-scheduler reserved.
+token for it (`first`). propose() then runs up to k - 1 one-token steps from there, feeding each draft
+back (top-1 chain). Drafts are the argmax of the draft's logits, a deterministic draft (Draft.probs
+None): the verifier keeps the target's distribution exactly with it. The draft writes only inside a
+slot's blocks (`capacity`): a catch-up whose last position lies in a block not yet allocated (a prompt
+that fills its blocks exactly) finishes in the next propose(), once the step's blocks are in the table;
+a chain stops, for that slot, where the blocks the scheduler reserved for its drafts end.
 """
 
 from __future__ import annotations
@@ -145,14 +146,21 @@ class ChainDrafter(Proposer):
     def kv_bytes_per_token(self, kv_dtype: torch.dtype) -> int:
         return self.cache_spec_for(kv_dtype).bytes_per_token
 
-    def attach(self, num_blocks: int, block_size: int, block_tables: torch.Tensor, kv_dtype: torch.dtype,
-               backend: str) -> None:
-        """The draft's cache over the pool's block ids (num_blocks: the target cache's, scratch included)
-        and the slots' block tables (the runner's device tensor, read at each forward)."""
+    def attach(self, num_blocks: int, block_size: int, block_tables: torch.Tensor, slot_blocks: list[int],
+               kv_dtype: torch.dtype, backend: str) -> None:
+        """The draft's cache over the pool's block ids (num_blocks: the target cache's, scratch included),
+        the slots' block tables (the runner's device tensor) and how many of each row's blocks the slot
+        holds (the runner's host list): both read at each forward. The draft writes only positions inside
+        a slot's blocks: a table's further columns are stale or zero, and block 0 belongs to someone."""
         self.cache = KVCache(self.cache_spec_for(kv_dtype), num_blocks, block_size, self.device)
         self.attention = make_attention_backend(backend, self.cache, self.attention_spec)
         self.block_tables = block_tables
+        self.slot_blocks = slot_blocks
         self.block_size = block_size
+
+    def capacity(self, slot: int) -> int:
+        """The positions the slot's blocks hold now."""
+        return self.slot_blocks[slot] * self.block_size
 
     # ---- Proposer
 
@@ -168,31 +176,45 @@ class ChainDrafter(Proposer):
             self._run_feed(feed)
 
     def propose(self, slots: list[int], k: int) -> Draft:
-        """k drafts per slot: `first`, then k - 1 steps each feeding the last draft. A slot whose first
-        draft is not ready (it has not sampled since its last catch-up) gets length 0."""
+        """Up to k drafts per slot: `first`, then up to k - 1 steps each feeding the last draft, while the
+        position a step writes lies in the slot's blocks (the scheduler reserved those of its own draft
+        count). A slot whose first draft is not ready gets length 0."""
+        late = self._late_catch_up(slots)  # what the blocks of the last step could not hold
+        if late.slots:
+            self._run_feed(late)
         seqs = [self.seqs[s] for s in slots]
-        lengths = [k if seq.ready else 0 for seq in seqs]
+        lengths = [1 if seq.ready else 0 for seq in seqs]
         index = torch.tensor(slots, dtype=torch.int64, device=self.device)
-        drafts = [self.first.index_select(0, index)]
+        drafts = self.first.index_select(0, index).unsqueeze(1).repeat(1, k)
         feature = self.feature.index_select(0, index)
         lens = [len(seq.tokens) for seq in seqs]
         for j in range(1, k):
-            ids, feature = self._step(slots, lens, j, drafts[-1], feature)
-            drafts.append(ids)
-        for seq, n in zip(seqs, lens, strict=True):
+            rows = [i for i, (slot, n) in enumerate(zip(slots, lens, strict=True))
+                    if lengths[i] == j and self._chain_position(n, j) < self.capacity(slot)]
+            if not rows:
+                break
+            pick = torch.tensor(rows, dtype=torch.int64, device=self.device)
+            ids, out = self._step([slots[i] for i in rows], [lens[i] for i in rows], j,
+                                  drafts[:, j - 1].index_select(0, pick), feature.index_select(0, pick))
+            drafts[:, j].index_copy_(0, pick, ids)
+            feature = feature.index_copy(0, pick, out.to(feature.dtype))
+            for i in rows:
+                lengths[i] += 1
+        for seq, n, m in zip(seqs, lens, lengths, strict=True):
             seq.ready = False
-            seq.fed = max(seq.fed, self._fed_after_chain(n, k))
-        return Draft(torch.stack(drafts, dim=1), None, None if all(lengths) else lengths)
+            if m > 1:
+                seq.fed = max(seq.fed, self._chain_position(n, m - 1) + 1)
+        return Draft(drafts, None, None if all(m == k for m in lengths) else lengths)
+
+    def _late_catch_up(self, slots: list[int]) -> Feed:
+        """The catch-up observe() could not finish for want of blocks (none by default)."""
+        return Feed()
 
     # ---- helpers
 
     @abstractmethod
     def _catch_up(self, step: TargetStep) -> Feed:
         """What the draft feeds after the target's step (and updates its slots' state for it)."""
-
-    @abstractmethod
-    def _fed_after_chain(self, num_tokens: int, k: int) -> int:
-        """The positions the chain wrote, for a sequence of num_tokens committed tokens."""
 
     @abstractmethod
     def _chain_position(self, num_tokens: int, j: int) -> int:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from app.model_files import draft_load_format
 from app.worker.attention import AttentionMetadata, AttentionSpec
 from app.worker.kv_cache import KVCacheSpec
 from app.worker.loader import load_hf_config, resolve_model_path
@@ -47,7 +48,7 @@ class Eagle3Proposer(ChainDrafter):
                              f"{settings.speculative_draft_model_quantization} is not supported for an EAGLE-3 "
                              "head (it runs unquantized)")
         capture = capture_indices(settings.eagle3_layers_to_capture, target.dims.num_layers)
-        model_dir = resolve_model_path(path, settings.load_format, None, settings.download_dir,
+        model_dir = resolve_model_path(path, draft_load_format(settings.load_format), None, settings.download_dir,
                                        settings.trust_remote_code)
         config = load_hf_config(model_dir, None, settings.trust_remote_code)
         try:
@@ -59,7 +60,7 @@ class Eagle3Proposer(ChainDrafter):
             raise ValueError(f"--speculative-draft-model-path {path}: the head reads target features of width "
                              f"{head.target_hidden}, the target's hidden size is {target.dims.hidden}")
         head.to(device)
-        load_eagle3_weights(head, model_dir, settings.load_format)
+        load_eagle3_weights(head, model_dir, draft_load_format(settings.load_format))
         return cls(head.eval(), capture, device, max_slots, max_tokens)
 
     @property
@@ -107,6 +108,3 @@ class Eagle3Proposer(ChainDrafter):
 
     def _chain_position(self, num_tokens: int, j: int) -> int:
         return num_tokens - 2 + j  # position p holds token p + 1: draft j is token num_tokens - 1 + j
-
-    def _fed_after_chain(self, num_tokens: int, k: int) -> int:
-        return num_tokens + k - 2

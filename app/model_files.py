@@ -211,6 +211,12 @@ def fetch(settings: Any, source: str, load_format: str) -> Path:
         raise ModelUnavailable(f"{flag} {source}: {exc}") from None
 
 
+def draft_load_format(load_format: str) -> str:
+    """A draft model's or EAGLE-3 head's weights: whichever files it has (the published heads are
+    pytorch_model.bin), whatever the target's --load-format says; none with dummy weights."""
+    return "dummy" if load_format == "dummy" else "auto"
+
+
 def hub_sources(settings: Any) -> list[tuple[str, str]]:
     """What a start fetches, each with the load format that decides its weights: the model, the
     tokenizer when it names another repo (its files only) and a speculative draft model or EAGLE-3
@@ -218,7 +224,7 @@ def hub_sources(settings: Any) -> list[tuple[str, str]]:
     reports it."""
     out: list[tuple[str, str]] = []
     for source, fmt in ((settings.model, settings.load_format), (settings.tokenizer, "dummy"),
-                        (settings.speculative_draft_model_path, settings.load_format)):
+                        (settings.speculative_draft_model_path, draft_load_format(settings.load_format))):
         if source and source not in (s for s, _ in out):
             if Path(source).expanduser().is_dir():
                 continue

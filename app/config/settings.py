@@ -376,6 +376,7 @@ class Settings(BaseSettings):
                 self.__dict__[name] = value  # frozen model: set once, here, during validation
         problems += rules.cross_field_problems(self.__dict__)
         problems += [_from_json(p, from_json) for p in speculative.spec_problems(self.__dict__)]
+        problems += [_from_json(p, from_json) for p in speculative.draft_problems(self.__dict__)]
         if problems:
             raise SettingsProblems(problems)
         return self

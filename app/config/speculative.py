@@ -118,3 +118,38 @@ def spec_problems(values: Mapping[str, Any]) -> list[Problem]:
             f"--speculative-ngram-min-match-window-size {low} must be <= "
             f"--speculative-ngram-max-match-window-size {high}"))
     return problems
+
+
+# The methods that draft with a model (--speculative-draft-model-path): their knobs mean nothing elsewhere.
+MODEL_DRAFTS = ("STANDALONE", "EAGLE3")
+
+
+def draft_problems(values: Mapping[str, Any]) -> list[Problem]:
+    """A draft model's flags with its methods only: STANDALONE and EAGLE3 need --speculative-draft-model-path,
+    --eagle3-layers-to-capture is EAGLE3's (three layer ids), FP8 is for a draft model, not a head."""
+    algorithm = values["speculative_algorithm"]
+    path = values["speculative_draft_model_path"]
+    problems: list[Problem] = []
+    other = f"not {algorithm}" if algorithm else "set one"
+    if algorithm in MODEL_DRAFTS and not path:
+        what = "an EAGLE-3 head" if algorithm == "EAGLE3" else "a draft model of the target's tokenizer"
+        problems.append(Problem(("speculative_algorithm",),
+                                f"--speculative-algorithm {algorithm} needs --speculative-draft-model-path ({what})"))
+    owned = {"speculative_draft_model_path": path is not None,
+             "drafter_attention_backend": values["drafter_attention_backend"] is not None}
+    for name, given in owned.items():
+        if given and algorithm not in MODEL_DRAFTS:
+            problems.append(Problem((name,), f"--{name.replace('_', '-')} is for --speculative-algorithm "
+                                             f"STANDALONE or EAGLE3: {other}"))
+    layers = values["eagle3_layers_to_capture"]
+    if layers is not None and algorithm != "EAGLE3":
+        problems.append(Problem(("eagle3_layers_to_capture",),
+                                f"--eagle3-layers-to-capture is for --speculative-algorithm EAGLE3: {other}"))
+    elif layers is not None and (len(layers) != 3 or min(layers) < 0):
+        problems.append(Problem(("eagle3_layers_to_capture",), "--eagle3-layers-to-capture needs three layer ids "
+                                "(>= 0) of the target, whose outputs the head's fc reads; got " + str(layers)))
+    if algorithm == "EAGLE3" and values["speculative_draft_model_quantization"] != "unquant":
+        problems.append(Problem(("speculative_draft_model_quantization",),
+                                "--speculative-draft-model-quantization fp8 is for a draft model (STANDALONE): an "
+                                "EAGLE-3 head runs unquantized"))
+    return problems

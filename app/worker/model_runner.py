@@ -69,6 +69,7 @@ from app.worker.loader import (
     resolve_model_path,
 )
 from app.worker.models import DenseCausalLM, model_class_for
+from app.worker.models.dense import HiddenCapture
 from app.worker.parallel import SINGLE, TensorParallel
 from app.worker.piecewise_graphs import DEFAULT_MAX_TOKENS, PiecewiseGraphs, bucket_sizes
 from app.worker.quantization import (
@@ -82,6 +83,8 @@ from app.worker.sampling.grammar import Deferred, GrammarRows
 from app.worker.sampling.logprobs import DeviceLogprobs
 from app.worker.sampling.prompt_logprobs import PromptLogprobs, PromptRows, PromptWant
 from app.worker.spec.decoder import SpecDecoder, VerifyOut, VerifyRows, make_spec_decoder
+from app.worker.spec.drafter import ChainDrafter
+from app.worker.spec.model_drafts import MODEL_DRAFTS, drafter_backend, load_model_drafter
 from app.worker.spec.proposer import TargetStep
 from app.worker.transfer import upload
 
@@ -154,6 +157,7 @@ class _Step:
     sample_rows: list[int] = field(default_factory=list)
     sample_slots: list[int] = field(default_factory=list)
     prompt: PromptRows = field(default_factory=PromptRows)  # rows whose prompt logprobs are asked
+    aux_hidden: torch.Tensor | None = None  # the captured states of every row, for an EAGLE-3 proposer
 
 
 @dataclass
@@ -236,6 +240,7 @@ class ModelRunner:
         )
         # Structured output (sampling/grammar.py): matchers live where the tokens are sampled, the TP leader.
         self.grammar = GrammarRows(self._grammar_info, self.vocab_size, self.device, self.max_num_seqs)
+        self.drafter: ChainDrafter | None = None  # a model draft (STANDALONE, EAGLE3): its weights load here
         self.spec = self._spec_decoder()
         self.clock.enter("kernels")
         self.attention_backend_name = resolve_attention_backend(
@@ -271,6 +276,7 @@ class ModelRunner:
         self._refused: set[int] = set()  # slots whose sequence was refused, until the scheduler frees them
         self._prompt_want: dict[int, PromptWant] = {}  # slots whose prompt logprobs are asked
         self.clock.enter("graph_capture")
+        self._attach_drafter()
         self.graphs = self._capture_graphs()
         self.pieces = self._capture_pieces()
         self._check_graph_memory()
@@ -298,7 +304,21 @@ class ModelRunner:
             return None
         if self.tp.size > 1:
             raise ValueError("speculative decoding with --tensor-parallel-size > 1 is not supported yet")
-        return make_spec_decoder(self.settings, self.block_size, self.device, self.vocab_size)
+        if self.settings.speculative_algorithm in MODEL_DRAFTS:
+            self.drafter = load_model_drafter(self.settings, self.model, self.config, self.device,
+                                              self.max_model_len, self.max_num_seqs)
+        return make_spec_decoder(self.settings, self.block_size, self.device, self.vocab_size, self.drafter)
+
+    def _attach_drafter(self) -> None:
+        """A model draft's cache: the pool's block ids (scratch included) in the model dtype, read through the
+        slots' block tables; its chain steps graphed where the target's decode steps are."""
+        if self.drafter is None:
+            return
+        backend = drafter_backend(self.settings, self.attention_backend_name, self.drafter, self.device, self.dtype)
+        self.drafter.attach(self.pool.num_blocks + 1, self.block_size, self.slots.block_tables,
+                            self.slots.num_blocks, self.dtype, backend)
+        if self.graph_sizes and backend_class(backend).supports_cuda_graphs:
+            self.drafter.capture_graphs(self.graph_sizes)
 
     def _configure_pdl(self) -> bool:
         """Programmatic dependent launch for the decode-path Triton kernels (--enable-pdl): on one GPU of
@@ -355,6 +375,8 @@ class ModelRunner:
 
     def _size_pool(self) -> PoolPlan:
         bytes_per_token = self.model.kv_cache_spec(self.kv_dtype).bytes_per_token
+        if self.drafter is not None:  # the draft's cache holds the same tokens in the same blocks
+            bytes_per_token += self.drafter.kv_bytes_per_token(self.dtype)
         max_total = self.settings.max_total_tokens
         if self.device.type == "cuda":
             tokens, why = self._cuda_pool_tokens(bytes_per_token)
@@ -848,6 +870,7 @@ class ModelRunner:
             self._trim_drafting(plan.chunks)
             starts = [length - n for length, n in zip(step.seq_lens, step.query_lens, strict=True)]
             pending.observed = self.spec.target_step(chunks, starts)
+            pending.observed.aux_hidden = step.aux_hidden
         return pending
 
     def _verify(self, logits: torch.Tensor, verify: VerifyRows) -> VerifyOut:
@@ -908,9 +931,11 @@ class ModelRunner:
         return pending
 
     def _graphable(self, step: _Step) -> bool:
-        """A decode-only step that a captured graph covers (its rows all sample, in step order)."""
+        """A decode-only step that a captured graph covers (its rows all sample, in step order); not when the
+        proposer reads the target's hidden states (EAGLE-3: the graphs do not capture them)."""
         return (
             self.graphs is not None
+            and not self._capture_layers()
             and len(step.decode_rows) == len(step.slots)
             and self.graphs.size_for(len(step.slots)) is not None
         )
@@ -936,15 +961,21 @@ class ModelRunner:
         self.plan_fence.before_plan()
         meta = self.attention.plan(batch)
         self.plan_fence.after_plan()
-        if self.pieces is not None and self.pieces.size_for(batch.num_tokens) is not None:
+        capture = HiddenCapture(self._capture_layers()) if self._capture_layers() else None
+        if capture is None and self.pieces is not None and self.pieces.size_for(batch.num_tokens) is not None:
             hidden = self.pieces.run(input_ids, batch, meta)
         else:
-            hidden = self.model(input_ids, batch.positions, meta)
+            hidden = self.model(input_ids, batch.positions, meta, capture)
+            step.aux_hidden = capture.concatenated() if capture is not None else None
         # Before the sampled rows' logits: a piecewise run's hidden is a static buffer, read it now.
         prompt = step.prompt.compute(hidden, self.model.compute_logits, self.device, self.tp.leader)
         if not step.sample_rows:
             return None, prompt
         return self.model.compute_logits(hidden.index_select(0, sample_rows)), prompt
+
+    def _capture_layers(self) -> tuple[int, ...]:
+        """The target layers whose input the proposer reads (EAGLE-3), or none."""
+        return self.spec.proposer.capture_layers if self.spec is not None else ()
 
     # ------------------------------------------------------------------ validation
 

@@ -395,8 +395,8 @@ def test_pool_must_hold_a_full_sequence() -> None:
 
 
 def test_unsupported_message_names_flag_and_source() -> None:
-    assert error_of(["m"], {"TOKENSPEED_SPECULATIVE_ALGORITHM": "EAGLE3"}) == (
-        "--speculative-algorithm EAGLE3 is not supported yet: " + support._SPEC
+    assert error_of(["m"], {"TOKENSPEED_SPECULATIVE_ALGORITHM": "MTP"}) == (
+        "--speculative-algorithm MTP is not supported yet: " + support._SPEC
         + " (set by TOKENSPEED_SPECULATIVE_ALGORITHM)"
     )
 
@@ -410,9 +410,8 @@ def test_unsupported_message_names_flag_and_source() -> None:
     ["--moe-backend", "flashinfer_cutlass"], ["--all2all-backend", "deepep"],
     ["--deepep-mode", "normal"], ["--drafter-attention-backend", "fa3"], ["--draft-moe-backend", "triton"],
     ["--reasoning-parser", "qwen"], ["--tool-call-parser", "hermes"], ["--enable-custom-logit-processor"],
-    ["--speculative-draft-model-path", "d"], ["--speculative-eagle-topk", "2"],
-    ["--speculative-draft-model-quantization", "fp8"],
-    ["--eagle3-layers-to-capture", "1,2"], ["--no-disable-kvstore"], ["--kvstore-ratio", "1.5"], ["--kvstore-size", "4"], ["--kvstore-io-backend", "direct"],
+    ["--speculative-eagle-topk", "2"], ["--speculative-draft-model-quantization", "nvfp4"],
+    ["--no-disable-kvstore"], ["--kvstore-ratio", "1.5"], ["--kvstore-size", "4"], ["--kvstore-io-backend", "direct"],
     ["--kvstore-mem-layout", "page_first"], ["--kvstore-storage-backend", "mooncake"],
     ["--enable-mla-l1-5-cache"], ["--mla-chunk-multiplier", "2"], ["--disaggregation-mode", "prefill"],
     ["--disaggregation-bootstrap-port", "9000"], ["--disaggregation-ib-device", "mlx5_0"],

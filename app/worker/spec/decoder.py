@@ -169,11 +169,15 @@ def _index(rows: list[int], device: Any) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64, device=device)
 
 
-def make_spec_decoder(settings: Any, block_size: int, device: torch.device, vocab_size: int) -> SpecDecoder | None:
-    """The decoder --speculative-algorithm asks for (None: speculation off)."""
+def make_spec_decoder(settings: Any, block_size: int, device: torch.device, vocab_size: int,
+                      drafter: Proposer | None = None) -> SpecDecoder | None:
+    """The decoder --speculative-algorithm asks for (None: speculation off); a model draft (STANDALONE,
+    EAGLE3) comes loaded (app/worker/spec/model_drafts.py), before the KV pool is sized."""
     algorithm = settings.speculative_algorithm
     if algorithm is None:
         return None
+    if drafter is not None:
+        return SpecDecoder(drafter, block_size, device, vocab_size, settings.seed)
     if algorithm != "NGRAM":
         raise ValueError(f"--speculative-algorithm {algorithm} is not built (the settings refuse it)")
     from app.worker.spec.ngram import NgramProposer

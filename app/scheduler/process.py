@@ -81,7 +81,7 @@ class SchedulerLoop:
     def _observe_with(self, sched: Scheduler) -> None:
         """Request stats, metrics and the RL control plane around the scheduler."""
         s = self.settings
-        sched.on_finish = FinishLogger(s.enable_log_request_stats)
+        sched.on_finish = FinishLogger(s.enable_log_request_stats, bool(sched.config.num_speculative_tokens))
         sched.track_delays = s.enable_log_request_stats
         if s.enable_metrics:
             from app.metrics.engine import EngineMetrics

@@ -127,3 +127,31 @@ def test_rows_with_per_token_state_get_no_drafts() -> None:
                 drafted[req.rid].append(chunk.num_draft)
     assert set(drafted["pen"]) == {0}
     assert drafted["min"][:2] == [0, 0] and max(drafted["min"]) > 0  # drafts once min_tokens is met
+
+
+def test_prometheus_counters_count_drafts_and_acceptance() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from app.metrics.engine import EngineMetrics
+
+    registry = CollectorRegistry()
+    scheduler = make_scheduler()
+    metrics = EngineMetrics(scheduler, "m", registry=registry)
+    add(scheduler, "a", max_new_tokens=9)
+    worker = ScriptedWorker(scheduler, {"a": SCRIPT}, accept=1)
+    while scheduler.has_work():
+        worker.step()
+        metrics.update()
+    labels = {"model_name": "m", "dp_rank": "0"}
+
+    def value(name: str, **extra: str) -> float | None:
+        return registry.get_sample_value(f"tokenspeed:{name}_total", {**labels, **extra})
+
+    # 8 tokens after the prefill's: decodes of 3 drafts giving 2 tokens each (the last one capped to 1 draft).
+    assert value("spec_decode_num_drafts") == 4
+    assert value("spec_decode_num_draft_tokens") == 3 + 3 + 3 + 1
+    assert value("spec_decode_num_accepted_tokens") == 4
+    assert value("spec_decode_num_accepted_tokens_per_pos", position="0") == 4
+    assert value("spec_decode_num_accepted_tokens_per_pos", position="1") is None
+    plain = EngineMetrics(make_scheduler(k=0), "m", registry=CollectorRegistry())
+    assert plain._spec is None  # no speculative series without speculation

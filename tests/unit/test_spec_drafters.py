@@ -173,3 +173,15 @@ def test_split_feed_cuts_long_rows_in_order() -> None:
     parts = _split_feed(feed, 5)
     assert [(p.slots, p.starts, [len(t) for t in p.tokens], p.sample) for p in parts] == [
         ([0], [0], [5], [False]), ([0], [5], [5], [False]), ([0, 1], [10, 3], [2, 2], [True, True])]
+
+
+def test_fp8_draft_model_is_exact(target_dir: Path) -> None:
+    """--speculative-draft-model-quantization fp8: the draft's linears quantized at load; still exact."""
+    model = load_target(target_dir)
+    want = greedy(model, PROMPTS, 16)
+    proposer = DraftModelProposer.load(settings(target_dir, speculative_draft_model_quantization="fp8"),
+                                       load_hf_config(target_dir), CPU, torch.float32, MAX_LEN, SLOTS, 64)
+    assert type(proposer.model.model.layers[0].mlp.down_proj.quant).__name__ == "Fp8LinearMethod"
+    got, rate = speculate(model, proposer, PROMPTS, 16, k=3)
+    assert got == want
+    assert rate > 0.1  # an FP8 copy of the target still agrees with it at times (0.3 on this random model)

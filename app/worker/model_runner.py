@@ -314,7 +314,8 @@ class ModelRunner:
         slots' block tables; its chain steps graphed where the target's decode steps are."""
         if self.drafter is None:
             return
-        backend = drafter_backend(self.settings, self.attention_backend_name, self.drafter, self.device, self.dtype)
+        backend = drafter_backend(self.settings, self.attention_backend_name, self.model.attention_spec.head_dim,
+                                  self.drafter, self.device, self.dtype)
         self.drafter.attach(self.pool.num_blocks + 1, self.block_size, self.slots.block_tables,
                             self.slots.num_blocks, self.dtype, backend)
         if self.graph_sizes and backend_class(backend).supports_cuda_graphs:

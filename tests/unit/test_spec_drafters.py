@@ -185,3 +185,21 @@ def test_fp8_draft_model_is_exact(target_dir: Path) -> None:
     got, rate = speculate(model, proposer, PROMPTS, 16, k=3)
     assert got == want
     assert rate > 0.1  # an FP8 copy of the target still agrees with it at times (0.3 on this random model)
+
+
+def test_drafter_attention_backend(target_dir: Path) -> None:
+    """--drafter-attention-backend is resolved for the draft (refused naming the flag where unusable);
+    unset, the target's backend, but not flashinfer for a draft of another head size."""
+    from app.worker.spec.model_drafts import drafter_backend
+
+    proposer = DraftModelProposer.load(settings(target_dir), load_hf_config(target_dir), CPU, torch.float32,
+                                       MAX_LEN, SLOTS, 64)
+    head_dim = proposer.attention_spec.head_dim
+    choose = SimpleNamespace(drafter_attention_backend="torch")
+    assert drafter_backend(choose, "triton", head_dim, proposer, CPU, torch.float32) == "torch"
+    with pytest.raises(ValueError, match="--drafter-attention-backend: attention backend 'flashinfer'"):
+        drafter_backend(SimpleNamespace(drafter_attention_backend="flashinfer"), "torch", head_dim, proposer, CPU,
+                        torch.float32)
+    unset = SimpleNamespace(drafter_attention_backend=None)
+    assert drafter_backend(unset, "flashinfer", head_dim, proposer, CPU, torch.float32) == "flashinfer"
+    assert drafter_backend(unset, "flashinfer", 2 * head_dim, proposer, CPU, torch.float32) == "triton"

@@ -33,12 +33,15 @@ def load_model_drafter(settings: Any, target: DenseCausalLM, target_config: Any,
     raise ValueError(f"--speculative-algorithm {algorithm} drafts without a model")
 
 
-def drafter_backend(settings: Any, target_backend: str, drafter: ChainDrafter, device: torch.device,
-                    dtype: torch.dtype) -> str:
+def drafter_backend(settings: Any, target_backend: str, target_head_dim: int, drafter: ChainDrafter,
+                    device: torch.device, dtype: torch.dtype) -> str:
     """--drafter-attention-backend resolved on this device for the draft's head size (an unusable one is
-    refused naming the flag), else the target's backend."""
+    refused naming the flag), else the target's backend; but triton for flashinfer when the head sizes
+    differ (a start never builds flashinfer's JIT kernels, and the target's checked only its own)."""
     name = settings.drafter_attention_backend
     if name is None:
+        if target_backend == "flashinfer" and drafter.attention_spec.head_dim != target_head_dim:
+            return "triton"
         return target_backend
     try:
         return resolve_attention_backend(name, device, dtype, drafter.attention_spec.head_dim)

@@ -570,6 +570,7 @@ class ModelRunner:
             self.scratch_block,
             self.vocab_size,
             self.device,
+            self._capture_layers(),
         )
         graphs.capture()
         logger.info(
@@ -592,6 +593,7 @@ class ModelRunner:
             self.scratch_block * self.block_size,
             self.model.dims.hidden,
             self.device,
+            self._capture_layers(),
         )
         try:
             pieces.capture()
@@ -855,6 +857,8 @@ class ModelRunner:
                 s.seq_len[slot] = length  # the graph's own buffers get the lengths on the device
             logits = self.graphs.run(step.slots, step.seq_lens, s.block_tables, s.last_token)
             prompt = None  # decode rows only: no prompt position
+            if self.graphs.aux is not None:  # a copy: the next replay rewrites the buffer
+                step.aux_hidden = self.graphs.aux[: len(step.slots)].clone()
         else:
             logits, prompt = self._eager_logits(step)
         for chunk in plan.chunks:  # fed tokens supersede a sampled one; sampling below sets it again
@@ -932,11 +936,9 @@ class ModelRunner:
         return pending
 
     def _graphable(self, step: _Step) -> bool:
-        """A decode-only step that a captured graph covers (its rows all sample, in step order); not when the
-        proposer reads the target's hidden states (EAGLE-3: the graphs do not capture them)."""
+        """A decode-only step that a captured graph covers (its rows all sample, in step order)."""
         return (
             self.graphs is not None
-            and not self._capture_layers()
             and len(step.decode_rows) == len(step.slots)
             and self.graphs.size_for(len(step.slots)) is not None
         )
@@ -963,8 +965,10 @@ class ModelRunner:
         meta = self.attention.plan(batch)
         self.plan_fence.after_plan()
         capture = HiddenCapture(self._capture_layers()) if self._capture_layers() else None
-        if capture is None and self.pieces is not None and self.pieces.size_for(batch.num_tokens) is not None:
+        if self.pieces is not None and self.pieces.size_for(batch.num_tokens) is not None:
             hidden = self.pieces.run(input_ids, batch, meta)
+            if self.pieces.aux is not None:  # a copy: the next run rewrites the buffer
+                step.aux_hidden = self.pieces.aux[: batch.num_tokens].clone()
         else:
             hidden = self.model(input_ids, batch.positions, meta, capture)
             step.aux_hidden = capture.concatenated() if capture is not None else None

@@ -1,9 +1,11 @@
 """The model drafts on the GPU (skipped without CUDA): the chain's captured graphs (a draft model, an
-EAGLE-3 head; float32, triton backend) draft exactly what its eager steps draft, features included."""
+EAGLE-3 head; float32, triton backend) draft exactly what its eager steps draft, features included; and
+the whole engine, every graph on, gives the plain engine's greedy output."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -47,3 +49,44 @@ def test_graphed_chain_equals_eager(dirs: tuple[Path, Path], method: str) -> Non
     for (e_ids, e_feat), (g_ids, g_feat) in zip(eager, graphed, strict=True):
         assert e_ids.tolist() == g_ids.tolist()
         torch.testing.assert_close(e_feat, g_feat, rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def cuda_runners(dirs: tuple[Path, Path]) -> dict[str, Any]:
+    from app.worker.model_runner import ModelRunner
+    from tests.unit.test_model_runner import make_settings
+
+    target, head = dirs
+    common = {"max_num_seqs": 4, "chunked_prefill_size": 32, "max_model_len": 160, "seed": 0,
+              "attention_backend": "triton"}
+    spec = {"speculative_num_steps": 3}
+    return {
+        "plain": ModelRunner(make_settings(target, **common), CUDA),
+        "draft": ModelRunner(make_settings(target, **common, **spec, speculative_algorithm="STANDALONE",
+                                           speculative_draft_model_path=str(target)), CUDA),
+        "eagle3": ModelRunner(make_settings(target, **common, **spec, speculative_algorithm="EAGLE3",
+                                            speculative_draft_model_path=str(head)), CUDA),
+    }
+
+
+@pytest.mark.parametrize("method", ["draft", "eagle3"])
+def test_model_drafts_are_greedy_on_the_gpu(cuda_runners: dict[str, Any], method: str) -> None:
+    """Decode graphs, piecewise graphs (verify rows, with the hidden-state capture for EAGLE-3) and the
+    drafter's own chain graphs: greedy output equals the plain engine's; a model drafting for itself is
+    accepted (almost) always."""
+    from tests.unit.test_speculative_engine import Engine, prompts
+
+    runner = cuda_runners[method]
+    assert runner.graphs is not None and runner.pieces is not None and runner.drafter.graphs is not None
+    outs = {}
+    for name in ("plain", method):
+        engine = Engine(cuda_runners[name], name != "plain")
+        for rid, prompt in prompts(runner.vocab_size).items():
+            engine.add(rid, prompt, max_new_tokens=30, ignore_eos=True)
+        engine.run()
+        outs[name] = engine.outputs
+    assert outs[method] == outs["plain"]
+    counters = engine.scheduler.take_counters()
+    assert counters.spec_draft_tokens > 0
+    if method == "draft":
+        assert counters.spec_accepted_tokens / counters.spec_draft_tokens > 0.9

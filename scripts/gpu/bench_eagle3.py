@@ -79,7 +79,8 @@ def timed_ms(fn: Any, device: torch.device, iters: int) -> float:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
-    need = math.ceil((args.context + args.k + 2) / args.block_size) * args.block_size  # whole blocks
+    # The prompt, the timed decode steps and the head's positions after them, in whole blocks.
+    need = math.ceil((args.context + args.iters + args.k + 4) / args.block_size) * args.block_size
     settings = runner_settings(args, max_num_seqs=1, max_model_len=args.max_model_len or need,
                                chunked_prefill_size=max(args.context, 256))
     runner = make_runner(settings, device)

@@ -11,6 +11,7 @@ count decides the next step's positions), so the host knows every token when it 
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,8 +19,11 @@ from typing import Any
 import torch
 
 from app.protocol import NewSeq, SamplingParams, SeqChunk, StepResult
+from app.worker.slot_state import SlotState
 from app.worker.spec.proposer import Proposer, TargetStep
 from app.worker.spec.verify import Accepted, accept_greedy, accept_sampled, target_probs
+from app.worker.step_batch import StepBatch
+from app.worker.transfer import upload
 
 
 @dataclass
@@ -34,6 +38,21 @@ class VerifyRows:
     def positions(self) -> list[int]:
         """Every fed position of every verify row, rows in order: where the target's logits are read."""
         return [row + j for row, d in zip(self.rows, self.drafts, strict=True) for j in range(len(d) + 1)]
+
+    def take_rows(self, step: StepBatch) -> int:
+        """Move the verify rows out of the rows the sampler draws: their logits are read at every fed
+        position, after the sampled rows' (step.sample_rows grows by those). Returns how many rows the
+        sampler draws."""
+        if not self.slots:
+            return len(step.sample_rows)
+        first = dict(zip(step.slots, itertools.accumulate([0, *step.query_lens[:-1]]), strict=True))
+        self.rows = [first[slot] for slot in self.slots]
+        verifying = set(self.slots)
+        kept = [(row, slot) for row, slot in zip(step.sample_rows, step.sample_slots, strict=True)
+                if slot not in verifying]
+        step.sample_rows = [row for row, _ in kept] + self.positions()
+        step.sample_slots = [slot for _, slot in kept]
+        return len(kept)
 
 
 @dataclass
@@ -95,8 +114,29 @@ class SpecDecoder:
                                             chunk.append_block_ids, True, chunk.num_draft)
         return [replaced.get(c.slot, c) for c in chunks], verify
 
-    def verify(self, logits: torch.Tensor, verify: VerifyRows) -> VerifyOut:
-        """Accept each verify row's drafts; logits: the target's at verify.positions(), in order."""
+    def verify(self, logits: torch.Tensor, verify: VerifyRows, slots: SlotState) -> VerifyOut:
+        """Accept each verify row's drafts (logits: the target's at verify.positions(), in order); each
+        slot keeps its fed positions up to the last accepted draft and will feed the token chosen after
+        them next."""
+        out = self._accept(logits, verify)
+        kept = [slots.seq_len[slot] - len(d) + len(a) for slot, d, a in
+                zip(verify.slots, verify.drafts, out.accepted, strict=True)]
+        slots.set_lengths(verify.slots, kept)
+        slots.last_token.index_copy_(0, upload(verify.slots, torch.int64, self.device),
+                                     upload(out.next_tokens, torch.int64, self.device))
+        for slot in verify.slots:
+            slots.has_token[slot] = True
+        return out
+
+    def trim(self, chunks: list[SeqChunk], slots: SlotState) -> None:
+        """A drafting chunk's slot keeps the blocks of its kept tokens and the next one (the scheduler
+        frees the rest: protocol.SeqChunk.num_draft)."""
+        for chunk in chunks:
+            if chunk.num_draft:
+                keep = math.ceil((slots.seq_len[chunk.slot] + 1) / self.block_size)
+                slots.num_blocks[chunk.slot] = min(slots.num_blocks[chunk.slot], keep)
+
+    def _accept(self, logits: torch.Tensor, verify: VerifyRows) -> VerifyOut:
         out = VerifyOut(slots=list(verify.slots), drafted=[len(d) for d in verify.drafts])
         bad_rows = (~torch.isfinite(logits).all(dim=1)).tolist()
         offsets = [0]
@@ -137,13 +177,21 @@ class SpecDecoder:
         clean = torch.nan_to_num(logits.to(torch.float32), nan=0.0, posinf=0.0, neginf=-torch.inf)
         return target_probs(clean, temperature, top_k, top_p, min_p)
 
-    def target_step(self, chunks: list[SeqChunk], starts: list[int]) -> TargetStep:
+    def target_step(self, chunks: list[SeqChunk], batch: StepBatch) -> TargetStep:
         """What the step fed (a decode: the slot's newest token); kept and new tokens come with its result."""
         fed = [list(c.token_ids) or [self._last[c.slot]] for c in chunks]
-        step = TargetStep([c.slot for c in chunks], fed, starts, [len(f) for f in fed], [[] for _ in chunks])
-        return step
+        starts = [length - n for length, n in zip(batch.seq_lens, batch.query_lens, strict=True)]
+        return TargetStep([c.slot for c in chunks], fed, starts, [len(f) for f in fed], [[] for _ in chunks])
 
-    def observe(self, step: TargetStep, result: StepResult, verified: VerifyOut | None) -> None:
+    def finish(self, step: TargetStep | None, result: StepResult, verified: VerifyOut | None) -> None:
+        """The verify rows' tokens join the step's result after its sampled rows (protocol.StepResult);
+        then the proposer hears what the step kept."""
+        if verified is not None:
+            _merge(result, verified)
+        if step is not None:
+            self._observe(step, result, verified)
+
+    def _observe(self, step: TargetStep, result: StepResult, verified: VerifyOut | None) -> None:
         """The step's kept tokens (from its result), for the slots' newest token and the proposer."""
         accepted = result.accepted_ids or [[]] * len(result.slots)
         verifying = set(verified.slots) if verified is not None else set()
@@ -159,10 +207,17 @@ class SpecDecoder:
             self._last[slot] = tokens[-1]
         self.proposer.observe(step)
 
-    def blocks_kept(self, seq_len: int) -> int:
-        """Blocks a slot keeps after a drafting chunk (protocol.SeqChunk.num_draft): its kept tokens and
-        the next one."""
-        return math.ceil((seq_len + 1) / self.block_size)
+
+
+def _merge(result: StepResult, out: VerifyOut) -> None:
+    n = len(result.slots)
+    result.accepted_ids = [[] for _ in range(n)] + out.accepted
+    result.draft_counts = [0] * n + out.drafted
+    result.slots = result.slots + out.slots
+    result.token_ids = result.token_ids + out.next_tokens
+    if result.logprobs:
+        result.logprobs = result.logprobs + [None] * len(out.slots)
+    result.bad_slots = result.bad_slots + [slot for slot, bad in zip(out.slots, out.bad, strict=True) if bad]
 
 
 def _index(rows: list[int], device: Any) -> torch.Tensor:

@@ -98,3 +98,16 @@ def test_pool_returns_to_zero_after_aborts_and_preemption(runners: dict[str, Mod
     engine.run()
     assert engine.scheduler.num_preemptions > 0
     assert engine.outputs["a"] == want["a"] and engine.outputs["b"] == want["b"]
+
+
+@pytest.mark.parametrize("method", ["draft", "eagle3"])
+def test_sampled_rows_with_model_drafts(runners: dict[str, ModelRunner], method: str) -> None:
+    """temperature > 0 drafts too (greedy drafts: the verifier keeps the target's distribution, tested in
+    test_spec_verify.py) beside rows that decode one token a step (penalties); all finish."""
+    ps = prompts(runners["plain"].vocab_size)
+    engine = Engine(runners[method], True)
+    engine.add("hot", ps["loop"], max_new_tokens=25, ignore_eos=True, temperature=0.8, top_k=20)
+    engine.add("pen", ps["short"], max_new_tokens=25, ignore_eos=True, repetition_penalty=1.2)
+    engine.run()
+    assert [len(engine.outputs[rid]) for rid in ("hot", "pen")] == [25, 25]
+    assert engine.scheduler.take_counters().spec_drafts > 0

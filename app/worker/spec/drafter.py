@@ -87,7 +87,7 @@ class Feed:
 
 class ChainDrafter(Proposer):
     """The base of the model drafts: its cache, per-slot state and the chain. A subclass runs its model
-    (`_forward`) and says what observe() feeds (`_catch_up`)."""
+    (`_hidden`, `_logits`, `_to_target`) and says what observe() feeds (`_catch_up`)."""
 
     def __init__(self, device: torch.device, max_slots: int, hidden: int, dtype: torch.dtype,
                  max_tokens: int) -> None:
@@ -99,8 +99,10 @@ class ChainDrafter(Proposer):
         self.cache: KVCache | None = None
         self.attention: AttentionBackend | None = None
         self.block_tables: torch.Tensor | None = None
+        self.slot_blocks: list[int] = []  # the runner's blocks per slot (attach)
         self.block_size = 0
         self.graphs: DecodeGraphs | None = None  # the chain step's, once captured
+        self.step_module: _ChainStep | None = None
         self.chain_ids = torch.zeros(max_slots, dtype=torch.int64, device=self.device)  # the graphs' input
 
     # ---- the model, per subclass
@@ -243,7 +245,7 @@ class ChainDrafter(Proposer):
 
     def _replay(self, slots: list[int], seq_lens: list[int], ids: torch.Tensor, feature: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        assert self.graphs is not None and self.block_tables is not None
+        assert self.graphs is not None and self.step_module is not None and self.block_tables is not None
         index = torch.tensor(slots, dtype=torch.int64, device=self.device)
         self.chain_ids.index_copy_(0, index, ids)
         self.step_module.feature_in[: len(slots)].copy_(feature)

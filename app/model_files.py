@@ -208,15 +208,24 @@ def fetch(settings: Settings, source: str, load_format: str) -> Path:
     except ModelUnavailable as exc:
         if source == settings.model:
             raise
-        raise ModelUnavailable(f"--tokenizer {source}: {exc}") from None
+        flag = "--tokenizer" if source == settings.tokenizer else "--speculative-draft-model-path"
+        raise ModelUnavailable(f"{flag} {source}: {exc}") from None
+
+
+def draft_load_format(load_format: str) -> str:
+    """A draft model's or EAGLE-3 head's weights: whichever files it has (the published heads are
+    pytorch_model.bin), whatever the target's --load-format says; none with dummy weights."""
+    return "dummy" if load_format == "dummy" else "auto"
 
 
 def hub_sources(settings: Settings) -> list[tuple[str, str]]:
-    """What a start fetches, each with the load format that decides its weights: the model, and the
-    tokenizer when it names another repo (its files only). Local directories are left out; a path
-    that does not exist stays in, so that resolve() reports it."""
+    """What a start fetches, each with the load format that decides its weights: the model, the
+    tokenizer when it names another repo (its files only) and a speculative draft model or EAGLE-3
+    head. Local directories are left out; a path that does not exist stays in, so that resolve()
+    reports it."""
     out: list[tuple[str, str]] = []
-    for source, fmt in ((settings.model, settings.load_format), (settings.tokenizer, "dummy")):
+    for source, fmt in ((settings.model, settings.load_format), (settings.tokenizer, "dummy"),
+                        (settings.speculative_draft_model_path, draft_load_format(settings.load_format))):
         if source and source not in (s for s, _ in out):
             if Path(source).expanduser().is_dir():
                 continue

@@ -167,6 +167,11 @@ class SeqChunk:
     token_ids: list[int] = field(default_factory=list)
     append_block_ids: list[int] = field(default_factory=list)
     sample: bool = True
+    # Speculative decoding (a decode chunk only): the worker may verify up to this many draft tokens after
+    # the fed one, in the same forward; the slot's blocks cover them. After such a chunk both sides keep
+    # the slot's first ceil((seq_len + 1) / block_size) blocks (seq_len: the kept length) and the
+    # scheduler frees the rest: the rejected positions' blocks.
+    num_draft: int = 0
 
 
 @dataclass(slots=True)
@@ -207,6 +212,11 @@ class StepResult:
     # Prompt logprobs computed in this step: prompt_logprobs[i] continues prompt_slots[i]'s list, in order.
     prompt_slots: list[int] = field(default_factory=list)
     prompt_logprobs: list[list[TokenLogprobs]] = field(default_factory=list)
+    # Speculative decoding (empty when no chunk of the step had num_draft > 0), aligned with slots: the
+    # draft tokens slots[i] verified and accepted, which come before token_ids[i] (the token sampled after
+    # them), and how many drafts it verified.
+    accepted_ids: list[list[int]] = field(default_factory=list)
+    draft_counts: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -16,8 +16,8 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from app.config import rules, support
-from app.config.errors import SettingsProblems
+from app.config import rules, speculative, support
+from app.config.errors import Problem, SettingsProblems
 
 MODEL_LOADING = "Model loading"
 PRECISION = "Precision and quantization"
@@ -218,7 +218,7 @@ class Settings(BaseSettings):
     # ------------------------------------------------------------------ speculative decoding
     speculative_config: dict[str, Any] | None = _f(
         None, "JSON speculative decoding configuration.", SPECULATIVE)
-    speculative_algorithm: Literal["EAGLE3", "MTP", "DFLASH", "DSPARK"] | None = _f(
+    speculative_algorithm: Literal["NGRAM", "EAGLE3", "STANDALONE", "MTP", "DFLASH", "DSPARK"] | None = _f(
         None, "Speculative algorithm, such as EAGLE3, MTP, or DFLASH.", SPECULATIVE)
     speculative_draft_model_path: str | None = _f(None, "Draft model path or repo ID.", SPECULATIVE)
     speculative_draft_model_quantization: Literal["unquant", "fp8", "mxfp4", "nvfp4", "w8a8_fp8",
@@ -230,6 +230,13 @@ class Settings(BaseSettings):
     speculative_eagle_topk: int = _f(1, "EAGLE top-k. Defaults to 1.", SPECULATIVE, ge=1)
     eagle3_layers_to_capture: list[int] | None = _f(
         None, "EAGLE3 layers to capture.", SPECULATIVE, min_length=1)
+    # N-gram (prompt lookup) drafting: SGLang's names and defaults (vLLM: prompt_lookup_min / _max).
+    speculative_ngram_min_match_window_size: int = _f(
+        1, "NGRAM: the shortest suffix of the sequence looked up in its history.", SPECULATIVE,
+        origin="appliance", ge=1)
+    speculative_ngram_max_match_window_size: int = _f(
+        12, "NGRAM: the longest suffix looked up first (longer matches draft first).", SPECULATIVE,
+        origin="appliance", ge=1)
 
     # ------------------------------------------------------------------ observability
     log_level: LogLevel = _f("info", "Runtime log level.", OBSERVABILITY)
@@ -356,7 +363,8 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _resolve(self) -> Settings:
-        problems = support.unsupported(self.__dict__)
+        problems, from_json = speculative.expand_config(self.__dict__, self.model_fields_set)
+        problems += [_from_json(p, from_json) for p in support.unsupported(self.__dict__)]
         derived = {
             "tokenizer": self.model,
             "served_model_name": self.model,
@@ -367,6 +375,8 @@ class Settings(BaseSettings):
             if getattr(self, name) is None:
                 self.__dict__[name] = value  # frozen model: set once, here, during validation
         problems += rules.cross_field_problems(self.__dict__)
+        problems += [_from_json(p, from_json) for p in speculative.spec_problems(self.__dict__)]
+        problems += [_from_json(p, from_json) for p in speculative.draft_problems(self.__dict__)]
         if problems:
             raise SettingsProblems(problems)
         return self
@@ -381,6 +391,14 @@ class Settings(BaseSettings):
     def admin_api_key_value(self) -> str | None:
         """The admin API key in clear (repr/str/config show mask it)."""
         return self.admin_api_key.get_secret_value() if self.admin_api_key is not None else None
+
+
+def _from_json(problem: Problem, from_json: set[str]) -> Problem:
+    """A problem about values --speculative-config wrote is that JSON's, for the source it names."""
+    if not from_json or not set(problem.fields) & from_json:
+        return problem
+    others = tuple(name for name in problem.fields if name not in from_json)
+    return Problem(("speculative_config", *others), f"{problem.text} (from --speculative-config)")
 
 
 # Fields whose default is computed from another setting, and what it follows (for `config show`).

@@ -51,7 +51,10 @@ def _all(fields: Iterable[str], value: Any, why: str) -> list[Rule]:
 _EP = ("expert parallelism is not built: it needs several GPUs to spread the experts over; this build holds every "
        "expert on each TP rank, its intermediate dimension split over the ranks (--moe-tp-size = TP size)")
 _COMM_FUSION = "fused all-reduce + norm kernels are not built yet (tensor parallelism uses plain all-reduces)"
-_SPEC = "speculative decoding is not built yet"
+_SPEC = ("this build speculates with NGRAM (prompt lookup), STANDALONE (a draft model) and EAGLE3 (an EAGLE-3 "
+         "head); MTP and DFLASH need a model with MTP heads, which this build does not serve yet, and DSPARK is "
+         "not built")
+_DRAFT_MOE = "the draft model's MoE layers run the target's --moe-backend (triton)"
 _KVSTORE = "this build has no host KV store (--disable-kvstore is the only mode)"
 _DISAGG = "prefill/decode disaggregation is not built yet"
 
@@ -86,8 +89,9 @@ RULES: tuple[Rule, ...] = (
     only("sampling_backend", None, "greedy", "flashinfer",
          why="this build has the portable torch sampler (unset), greedy and flashinfer (CUDA); the "
          "flashinfer_full, triton and triton_full samplers are not built"),
-    only("drafter_attention_backend", None, why=_SPEC),
-    only("draft_moe_backend", None, why=_SPEC),
+    only("drafter_attention_backend", None, "torch", "triton", "flashinfer",
+         why="the drafter's cache runs one of this build's attention backends (unset: the target's)"),
+    only("draft_moe_backend", None, why=_DRAFT_MOE),
     only("moe_backend", "auto", "triton",
          why="this build has the triton MoE backend (kernels/moe.py; auto picks it); the gluon, flashinfer, "
          "deep_gemm and mega_moe backends are not built"),
@@ -100,13 +104,13 @@ RULES: tuple[Rule, ...] = (
     only("tool_call_parser", None, *TOOL_CALL_PARSERS,
          why="this build parses the tool-call formats of these families (docs/api.md)"),
     only("enable_custom_logit_processor", False, why="custom logit processors are not built yet"),
-    # Speculative decoding: the defaults (3 steps, steps + 1 draft tokens) are harmless while it is off.
-    *_all(["speculative_config", "speculative_algorithm", "speculative_draft_model_path",
-           "eagle3_layers_to_capture"], None, _SPEC),
-    only("speculative_draft_model_quantization", "unquant", why=_SPEC),
-    only("speculative_num_steps", 3, why=_SPEC),
-    only("speculative_num_draft_tokens", None, 4, why=_SPEC),
-    only("speculative_eagle_topk", 1, why=_SPEC),
+    # Speculative decoding (docs/speculative.md): n-gram drafts in a chain; the JSON config and the
+    # step counts are checked in app/config/speculative.py.
+    only("speculative_algorithm", None, "NGRAM", "STANDALONE", "EAGLE3", why=_SPEC),
+    only("speculative_draft_model_quantization", "unquant", "fp8",
+         why="a draft model runs unquantized or with FP8 weights (quantized at load, or its FP8 checkpoint)"),
+    only("speculative_eagle_topk", 1,
+         why="tree speculation is not supported yet: drafts form a chain (--speculative-eagle-topk 1)"),
     # Observability: metrics, request stats and KV events are built; the events config is checked here.
     Rule("kv_events_config", lambda v: kv_events_config_problem(v) is None,
          "it must be a JSON object with the keys enable_kv_cache_events (bool), publisher (zmq or null), "

@@ -56,6 +56,12 @@ SPECS: tuple[MetricSpec, ...] = (
                STEP_TOKENS),
     MetricSpec("request_queue_time_seconds", "histogram", ENGINE,
                "Time from arrival to first scheduling, per request.", QUEUE),
+    # ---- scheduler, speculative decoding (vLLM's names)
+    MetricSpec("spec_decode_num_drafts", "counter", ENGINE, "Verify steps of a sequence that drafted tokens."),
+    MetricSpec("spec_decode_num_draft_tokens", "counter", ENGINE, "Draft tokens verified."),
+    MetricSpec("spec_decode_num_accepted_tokens", "counter", ENGINE, "Draft tokens accepted."),
+    MetricSpec("spec_decode_num_accepted_tokens_per_pos", "counter", (*ENGINE, "position"),
+               "Draft tokens accepted at each draft position (0: the first draft)."),
     # ---- tokenizer, per request
     MetricSpec("num_requests", "counter", FRONTEND, "Requests finished, whatever the reason."),
     MetricSpec("request_success", "counter", (*FRONTEND, "finished_reason"),

@@ -8,6 +8,8 @@ from app.metrics.catalog import build
 
 _NAMES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries",
           "prefix_cache_hits", "num_preemptions", "iteration_tokens_total", "request_queue_time_seconds")
+_SPEC_NAMES = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+               "spec_decode_num_accepted_tokens_per_pos")
 
 
 class EngineMetrics:
@@ -27,6 +29,9 @@ class EngineMetrics:
         self._step_tokens = m["iteration_tokens_total"].labels(**labels)
         self._queue_time = m["request_queue_time_seconds"].labels(**labels)
         self._seen_preemptions = 0
+        # Speculative decoding's counters exist only when it is on (a series that is always 0 misleads).
+        self._spec = build(_SPEC_NAMES, registry) if sched.config.num_speculative_tokens else None
+        self._labels = labels
 
     def planned(self, step_tokens: int) -> None:
         """A step went to the worker with this many tokens (steps that only free slots do not count)."""
@@ -47,6 +52,19 @@ class EngineMetrics:
             self._hits.inc(counters.prefix_hit_tokens)
         for seconds in counters.queue_times:
             self._queue_time.observe(seconds)
+        if self._spec is not None:
+            self._count_spec(counters)
         if sched.num_preemptions > self._seen_preemptions:
             self._preemptions.inc(sched.num_preemptions - self._seen_preemptions)
             self._seen_preemptions = sched.num_preemptions
+
+    def _count_spec(self, counters: Any) -> None:
+        m, labels = self._spec, self._labels
+        assert m is not None
+        if counters.spec_drafts:
+            m["spec_decode_num_drafts"].labels(**labels).inc(counters.spec_drafts)
+            m["spec_decode_num_draft_tokens"].labels(**labels).inc(counters.spec_draft_tokens)
+        if counters.spec_accepted_tokens:
+            m["spec_decode_num_accepted_tokens"].labels(**labels).inc(counters.spec_accepted_tokens)
+        for position, count in enumerate(counters.spec_accepted_per_position):
+            m["spec_decode_num_accepted_tokens_per_pos"].labels(**labels, position=str(position)).inc(count)

@@ -36,7 +36,9 @@ class RequestStats:
     preempt_ms: float  # decode time lost to steps that prefilled other requests
     preempt_count: int  # stretches of such steps
     decode_tps: float  # (output_tokens - 1) / (finish - first token)
-    acc_len: float | None  # speculative decoding acceptance (None: no speculative decoding)
+    # Speculative decoding (None when it is off): tokens a verify step gave (1 + accepted drafts, averaged
+    # over the request's verify steps; 1.0 if it never drafted) and the share of its drafts accepted.
+    acc_len: float | None
     acc_rate: float | None
     recv_ts: float  # epoch seconds
     commit_ts: float | None
@@ -53,8 +55,9 @@ def _ts(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
 
 
-def request_stats(req: Any, reason: str) -> RequestStats:
-    """The stats of a finished app.scheduler.request.Request (its finish_time set)."""
+def request_stats(req: Any, reason: str, speculative: bool = False) -> RequestStats:
+    """The stats of a finished app.scheduler.request.Request (its finish_time set); speculative: whether
+    the engine speculates (acc_len / acc_rate are None otherwise)."""
     finish = req.finish_time
     n_prompt, n_out = len(req.prompt_ids), len(req.output_ids)
     first = req.first_token_time
@@ -74,22 +77,29 @@ def request_stats(req: Any, reason: str) -> RequestStats:
         preempt_ms=round(req.delayed_seconds * 1000.0, 1),
         preempt_count=req.delay_count,
         decode_tps=round(tps, 1),
-        acc_len=None,
-        acc_rate=None,
+        acc_len=_acc_len(req) if speculative else None,
+        acc_rate=(round(req.spec_accepted_tokens / req.spec_draft_tokens, 4) if req.spec_draft_tokens else 0.0)
+        if speculative else None,
         recv_ts=round(req.arrival_time, 3),
         commit_ts=_ts(req.first_scheduled_time),
         finish_ts=round(finish, 3),
     )
 
 
+def _acc_len(req: Any) -> float:
+    steps = req.spec_verify_steps
+    return round(1 + req.spec_accepted_tokens / steps, 3) if steps else 1.0
+
+
 class FinishLogger:
     """The scheduler's on_finish hook: the stats line at info with the flag, a short one at debug."""
 
-    def __init__(self, log_stats: bool) -> None:
+    def __init__(self, log_stats: bool, speculative: bool = False) -> None:
         self.log_stats = log_stats
+        self.speculative = speculative
 
     def __call__(self, req: Any, reason: str) -> None:
         if self.log_stats:
-            log.info("Req: %s Finish! %r", req.rid, request_stats(req, reason))
+            log.info("Req: %s Finish! %r", req.rid, request_stats(req, reason, self.speculative))
         elif log.isEnabledFor(logging.DEBUG):
             log.debug("Req: %s Finish! reason=%s, output_tokens=%d", req.rid, reason, len(req.output_ids))

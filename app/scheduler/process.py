@@ -52,6 +52,7 @@ class SchedulerLoop:
         self.metrics = None  # app.metrics.engine.EngineMetrics with --enable-metrics
         self.kv_events: KVEventRecorder | None = None
         self.publisher: KVEventPublisher | None = None
+        self.max_inflight = MAX_INFLIGHT_STEPS
 
     def wait_for_worker(self) -> p.WorkerReady | None:
         """The worker's WorkerReady; None if told to stop first (a start-up failure elsewhere: the wait
@@ -69,13 +70,19 @@ class SchedulerLoop:
             self.kv_events = KVEventRecorder(ready.block_size)
             self.publisher = KVEventPublisher(events_config, self.ctx, dp_rank=self.replica)
         self.scheduler = Scheduler(SchedulerConfig.from_settings(s, ready), kv_events=self.kv_events)
+        if self.scheduler.config.num_speculative_tokens:
+            # A verify step's accepted count sets every length and position of the next step: it is
+            # planned after the result, one step at the worker (docs/speculative.md).
+            self.max_inflight = 1
+            log.info("speculative decoding (%s, %d draft tokens): one step in flight, the overlap of "
+                     "planning with the forward is off", s.speculative_algorithm, s.speculative_num_steps)
         self._observe_with(self.scheduler)
         return ready
 
     def _observe_with(self, sched: Scheduler) -> None:
         """Request stats, metrics and the RL control plane around the scheduler."""
         s = self.settings
-        sched.on_finish = FinishLogger(s.enable_log_request_stats)
+        sched.on_finish = FinishLogger(s.enable_log_request_stats, bool(sched.config.num_speculative_tokens))
         sched.track_delays = s.enable_log_request_stats
         if s.enable_metrics:
             from app.metrics.engine import EngineMetrics
@@ -127,7 +134,7 @@ class SchedulerLoop:
                 self._expire()
                 self._poll_control_reply()
                 control.advance(sched.num_inflight_steps)
-                while control.stepping_allowed and sched.num_inflight_steps < MAX_INFLIGHT_STEPS:
+                while control.stepping_allowed and sched.num_inflight_steps < self.max_inflight:
                     plan = sched.schedule()
                     if plan is None:
                         break

@@ -53,6 +53,10 @@ class Request:
     # sent with the first output token. Kept across preemptions: a re-admission asks only for the rest.
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
+    # Speculative decoding: steps that verified drafts for it, their draft tokens and the accepted ones.
+    spec_verify_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

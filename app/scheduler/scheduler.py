@@ -56,6 +56,8 @@ class SchedulerConfig:
     max_queued_requests: int | None = None
     request_timeout: float | None = None
     ttft_timeout: float | None = None
+    # Speculative decoding: draft tokens a decode step may verify (0: off); see _draft_len.
+    num_speculative_tokens: int = 0
 
     @classmethod
     def from_settings(cls, settings: Settings, ready: p.WorkerReady) -> SchedulerConfig:
@@ -72,6 +74,7 @@ class SchedulerConfig:
             max_queued_requests=settings.max_queued_requests,
             request_timeout=settings.request_timeout,
             ttft_timeout=settings.ttft_timeout,
+            num_speculative_tokens=settings.speculative_num_steps if settings.speculative_algorithm else 0,
         )
 
     @property
@@ -102,6 +105,11 @@ class StepCounters:
     prefix_query_tokens: int = 0  # tokens looked up in the prefix cache at admission
     prefix_hit_tokens: int = 0  # of those, served from the cache
     queue_times: list[float] = field(default_factory=list)  # arrival -> first scheduled, seconds
+    # Speculative decoding: verify rows that drafted, their draft tokens, and the accepted ones.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)  # [i]: steps accepting draft i+1
 
 
 # Called when a request ends: (request, finish reason); the request was aborted iff the reason is abort.
@@ -125,8 +133,8 @@ class Scheduler:
         self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
         self._slots_to_free: list[int] = []  # released in the worker after the next step
         self._by_slot: dict[int, Request] = {}
-        # Steps sent and not yet processed, oldest first: (request, epoch, tokens, sample) each.
-        self._inflight: deque[list[tuple[Request, int, int, bool]]] = deque()
+        # Steps sent and not yet processed, oldest first: (request, epoch, tokens, sample, draft room) each.
+        self._inflight: deque[list[tuple[Request, int, int, bool, int]]] = deque()
         self._eos = frozenset(config.eos_token_ids)
         self.step = 0
         self.num_preemptions = 0
@@ -181,7 +189,7 @@ class Scheduler:
     def schedule(self) -> p.StepPlan | None:
         """Plan the next step, or None when there is nothing to send to the worker."""
         plan = p.StepPlan(step=self.step)
-        inflight: list[tuple[Request, int, int, bool]] = []
+        inflight: list[tuple[Request, int, int, bool, int]] = []
         budget = self.config.token_budget
         budget = self._schedule_running(plan, inflight, budget)
         self._schedule_waiting(plan, inflight, budget)
@@ -191,7 +199,7 @@ class Scheduler:
         self._free_slots.extend(plan.free_slots)  # the worker releases them after this step
         self._inflight.append(inflight)
         self._step_times.append(time.time())
-        self.last_step_tokens = sum(n for _, _, n, _ in inflight)
+        self.last_step_tokens = sum(n + k for _, _, n, _, k in inflight)
         self.step += 1
         return plan
 
@@ -207,11 +215,53 @@ class Scheduler:
             new_blocks = self._grow(req, req.num_fed + n, scheduled)
             if new_blocks is None:
                 continue  # req itself was preempted: running[i] is now the next request
-            self._add_chunk(plan, inflight, req, n, new_blocks)
+            k = self._lookahead(req, n, budget - n, new_blocks)
+            self._add_chunk(plan, inflight, req, n, new_blocks, k)
             scheduled.add(id(req))
-            budget -= n
+            budget -= n + k
             i += 1
         return budget
+
+    def _draft_len(self, req: Request) -> int:
+        """Draft tokens req's next decode may verify: 0 unless speculating on a decode the worker feeds
+        itself, for a request whose sampling the verifier reproduces exactly; never past its length limits
+        (the step adds up to k + 1 tokens). Rows that need per-token state (penalties, bias, min_tokens,
+        grammars, logprobs, seeds) decode one token at a time (docs/speculative.md)."""
+        k = self.config.num_speculative_tokens
+        sp = req.sampling
+        if (
+            k == 0
+            or req.num_to_feed != 1
+            or req.num_pending_samples
+            or not req.worker_has_last_token
+            or len(req.output_ids) < sp.min_new_tokens
+            or sp.grammar is not None
+            or sp.logprobs
+            or sp.top_logprobs
+            or sp.seed is not None
+            or sp.logit_bias
+            or sp.presence_penalty
+            or sp.frequency_penalty
+            or sp.repetition_penalty != 1.0
+            or sp.prompt_logprob_start >= 0
+        ):
+            return 0
+        return max(0, min(k, req.max_new_tokens - len(req.output_ids) - 1,
+                          self.config.max_model_len - req.num_tokens - 1))
+
+    def _lookahead(self, req: Request, n: int, budget: int, new_blocks: list[int]) -> int:
+        """Room for req's drafts in this step (budget tokens, free blocks: drafts never preempt anyone);
+        their blocks are appended to new_blocks."""
+        k = min(self._draft_len(req), budget) if n == 1 else 0
+        while k > 0:
+            need = self.kv.blocks_needed(req.num_fed + n + k) - len(req.block_ids)
+            if need <= self.kv.num_free_blocks:
+                extra = self.kv.allocate(need) if need > 0 else []
+                req.block_ids.extend(extra)
+                new_blocks.extend(extra)
+                return k
+            k -= 1
+        return 0
 
     def _schedulable(self, req: Request) -> int:
         """Tokens req could feed now: none if a length limit ends it when in-flight work lands."""
@@ -302,15 +352,17 @@ class Scheduler:
         counters, self.counters = self.counters or StepCounters(), StepCounters()
         return counters
 
-    def _add_chunk(self, plan: p.StepPlan, inflight: list, req: Request, n: int, new_blocks: list[int]) -> None:
+    def _add_chunk(
+        self, plan: p.StepPlan, inflight: list, req: Request, n: int, new_blocks: list[int], k: int = 0
+    ) -> None:
         fed = req.num_fed
         sample = fed + n == req.num_known
         # The worker feeds its own last sample: always for one still in flight, and as an
         # optimisation for the last output token it sampled in this slot.
         decode = n == 1 and sample and (req.num_pending_samples > 0 or req.worker_has_last_token)
         tokens = [] if decode else req.token_slice(fed, fed + n)
-        plan.chunks.append(p.SeqChunk(req.slot, tokens, new_blocks, sample))
-        inflight.append((req, req.epoch, n, sample))
+        plan.chunks.append(p.SeqChunk(req.slot, tokens, new_blocks, sample, k))
+        inflight.append((req, req.epoch, n, sample, k))
         req.num_inflight_tokens += n
         req.num_pending_samples += sample
 
@@ -340,7 +392,8 @@ class Scheduler:
         """Apply the oldest in-flight step's result; returns the deltas to stream out."""
         inflight = self._inflight.popleft() if self._inflight else []
         planned = self._step_times.popleft() if self._step_times else 0.0
-        live = [(req, n, sample) for req, epoch, n, sample in inflight if req.epoch == epoch]
+        live = [(req, n, sample) for req, epoch, n, sample, _ in inflight if req.epoch == epoch]
+        drafting = {req.slot for req, epoch, _, _, k in inflight if k and req.epoch == epoch}
         now = time.time()
         if self.track_delays:
             self._note_delays(live, result.step, now - max(planned, self._last_result_time))
@@ -370,15 +423,46 @@ class Scheduler:
                 owner.prompt_logprobs += lps
         expected = {req.slot: req for req, _, sample in live if sample}
         logprobs = result.logprobs or [None] * len(result.slots)
-        for slot, token, lp in zip(result.slots, result.token_ids, logprobs, strict=True):
+        accepted = result.accepted_ids or [[]] * len(result.slots)
+        drafted = result.draft_counts or [0] * len(result.slots)
+        for slot, token, lp, extra, n_draft in zip(result.slots, result.token_ids, logprobs, accepted, drafted,
+                                                   strict=True):
             req = expected.get(slot)
             if req is None or req.status is not Status.RUNNING:
                 continue  # finished, aborted or preempted since the step was planned
             if slot in bad:
                 deltas.append(self._fail(req, "the model produced NaN or inf logits", 500))
                 continue
-            deltas.append(self._append_token(req, token, lp, now))
+            if slot in drafting:
+                self._count_drafts(req, n_draft, len(extra))
+            deltas.append(self._append_tokens(req, [*extra, token], lp, now))
+            if slot in drafting and req.status is Status.RUNNING:
+                self._trim_blocks(req)
         return deltas
+
+    def _count_drafts(self, req: Request, drafted: int, accepted: int) -> None:
+        if not drafted:
+            return
+        req.spec_verify_steps += 1
+        req.spec_draft_tokens += drafted
+        req.spec_accepted_tokens += accepted
+        c = self.counters
+        if c is not None:
+            c.spec_drafts += 1
+            c.spec_draft_tokens += drafted
+            c.spec_accepted_tokens += accepted
+            per = c.spec_accepted_per_position
+            per.extend([0] * (accepted - len(per)))
+            for i in range(accepted):
+                per[i] += 1
+
+    def _trim_blocks(self, req: Request) -> None:
+        """After a step that could verify drafts: free the blocks past what the kept tokens need (the
+        rejected drafts' positions), as the worker does for the slot (protocol.SeqChunk.num_draft)."""
+        keep = self.kv.blocks_needed(req.num_tokens)
+        if len(req.block_ids) > keep:
+            self.kv.release(req.block_ids[keep:])
+            del req.block_ids[keep:]
 
     @staticmethod
     def _note_delays(live: list[tuple[Request, int, bool]], step: int, elapsed: float) -> None:
@@ -392,12 +476,25 @@ class Scheduler:
             req.last_delayed_step = step
             req.delayed_seconds += max(elapsed, 0.0)
 
-    def _append_token(self, req: Request, token: int, lp: p.TokenLogprobs | None, now: float) -> p.TokenDelta:
-        req.output_ids.append(token)
+    def _append_tokens(
+        self, req: Request, tokens: list[int], lp: p.TokenLogprobs | None, now: float
+    ) -> p.TokenDelta:
+        """Append a step's tokens (accepted drafts, then the sampled one), up to the first that ends req
+        (the rest are dropped). All but the last were fed in the step: their KV is computed."""
         req.worker_has_last_token = True
         req.first_token_time = req.first_token_time or now
-        reason, matched = self._stop_reason(req, token)
-        delta = self._delta(req, [token], [lp] if lp is not None else [])
+        reason = matched = None
+        for i, token in enumerate(tokens):
+            req.output_ids.append(token)
+            if i < len(tokens) - 1:
+                req.num_computed += 1
+            reason, matched = self._stop_reason(req, token)
+            if reason is not None:
+                tokens = tokens[: i + 1]
+                break
+        if len(tokens) > 1:
+            self._register_full_blocks(req)
+        delta = self._delta(req, tokens, [lp] if lp is not None else [])
         if req.sampling.prompt_logprob_start >= 0 and not req.prompt_logprobs_sent:
             delta.prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
         if reason is not None:

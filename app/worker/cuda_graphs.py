@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from app.worker.attention import AttentionBackend, AttentionBatch, AttentionMetadata
+from app.worker.models.dense import HiddenCapture
 from app.worker.transfer import upload
 
 logger = logging.getLogger(__name__)
@@ -119,9 +120,12 @@ class DecodeGraphs(CapturedSizes):
         scratch_block: int,
         vocab_size: int,
         device: torch.device,
+        capture_layers: tuple[int, ...] = (),
     ) -> None:
         super().__init__(sizes)
         self.model = model
+        # The residual stream entering these layers, side by side, per row (EAGLE-3; see HiddenCapture).
+        self.capture_layers = capture_layers
         self.backend = backend
         self.block_size = block_size
         self.scratch_block = scratch_block
@@ -135,6 +139,8 @@ class DecodeGraphs(CapturedSizes):
         self.block_tables = torch.full((largest, max_blocks), scratch_block, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(largest, dtype=torch.int32, device=device)
         self.logits = torch.zeros(largest, vocab_size, dtype=model.dtype, device=device)
+        self.aux = torch.zeros(largest, len(capture_layers) * model.dims.hidden, dtype=model.dtype,
+                               device=device) if capture_layers else None
         self.graphs: dict[int, _Captured] = {}
         self.fence = PlanFence(device)
 
@@ -150,7 +156,12 @@ class DecodeGraphs(CapturedSizes):
         )
 
     def _forward(self, size: int, meta: AttentionMetadata) -> None:
-        hidden = self.model(self.input_ids[:size], self.positions[:size], meta)
+        if self.aux is None:
+            hidden = self.model(self.input_ids[:size], self.positions[:size], meta)
+        else:
+            capture = HiddenCapture(self.capture_layers)
+            hidden = self.model(self.input_ids[:size], self.positions[:size], meta, capture)
+            self.aux[:size].copy_(capture.concatenated())
         self.model.compute_logits(hidden, out=self.logits[:size])
 
     def capture(self) -> None:

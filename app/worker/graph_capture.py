@@ -112,11 +112,12 @@ def _decode_graph_bytes(w: Workload, sizes: list[int]) -> int:
 
 
 def capture_decode_graphs(w: Workload, attention: AttentionBackend, sizes: list[int], max_blocks: int,
-                          scratch_block: int) -> DecodeGraphs | None:
+                          scratch_block: int, capture_layers: tuple[int, ...] = ()) -> DecodeGraphs | None:
+    """capture_layers: the layers whose input the graphs also collect (EAGLE-3; HiddenCapture)."""
     if not sizes:
         return None
     graphs = DecodeGraphs(w.model, attention, sizes, max_blocks, w.block_size, scratch_block, w.vocab_size,
-                          w.device)
+                          w.device, capture_layers)
     graphs.capture()
     logger.info(
         "CUDA graphs: %d decode sizes (%d..%d) captured in %.1f s, using %.2f GiB",
@@ -130,11 +131,11 @@ def capture_decode_graphs(w: Workload, attention: AttentionBackend, sizes: list[
 
 
 def capture_pieces(w: Workload, attention: AttentionBackend, sizes: list[int],
-                   scratch_block: int) -> PiecewiseGraphs | None:
+                   scratch_block: int, capture_layers: tuple[int, ...] = ()) -> PiecewiseGraphs | None:
     if not sizes:
         return None
     pieces = PiecewiseGraphs(w.model, attention, sizes, scratch_block * w.block_size, w.model.dims.hidden,
-                             w.device)
+                             w.device, capture_layers)
     try:
         pieces.capture()
     except Exception as exc:

@@ -43,6 +43,7 @@ class Workload:
     max_num_seqs: int
     max_step_tokens: int  # the most tokens one step holds (see step_tokens)
     vocab_size: int
+    draft_bytes_per_token: int = 0  # a model draft's KV cache beside the target's (app/worker/spec/drafter.py)
 
     def scratch_cache(self, num_blocks: int) -> KVCache:
         """A throwaway KV cache of this workload's layout."""
@@ -59,7 +60,7 @@ def size_pool(w: Workload, sampler: Sampler, max_total_tokens: int | None, gpu_m
               graph_bytes: Callable[[], int]) -> tuple[PoolPlan, int]:
     """The pool this rank can hold, and the bytes reserved for CUDA graphs (graph_bytes() measures them
     after the step profile; 0 on the CPU)."""
-    bytes_per_token = w.model.kv_cache_spec(w.kv_dtype).bytes_per_token
+    bytes_per_token = w.model.kv_cache_spec(w.kv_dtype).bytes_per_token + w.draft_bytes_per_token
     graphs = 0
     if w.device.type == "cuda":
         tokens, why, graphs = _cuda_pool_tokens(w, sampler, bytes_per_token, gpu_memory_utilization, graph_bytes)

@@ -40,12 +40,13 @@ from app.config.settings import Settings
 from app.protocol import EngineInfo, NewSeq, SamplingParams, SeqChunk, StepPlan, StepResult, WorkerReady
 from app.startup_phases import StartupClock
 from app.worker import graph_capture, memory_plan
-from app.worker.attention import build_attention_batch, make_attention_backend
+from app.worker.attention import backend_class, build_attention_batch, make_attention_backend
 from app.worker.attention.selection import choose_backend, configure_pdl
 from app.worker.cuda_graphs import PlanFence
 from app.worker.kv_cache import GIB, KVCache
 from app.worker.memory_plan import MAX_TOP_LOGPROBS, Workload
 from app.worker.model_setup import build_model, resolve_model
+from app.worker.models.dense import HiddenCapture
 from app.worker.parallel import SINGLE, TensorParallel
 from app.worker.plan_checks import PlanChecks
 from app.worker.readback import PendingStep, host_tokens, start_readback, step_result
@@ -53,6 +54,9 @@ from app.worker.sampling import make_sampler
 from app.worker.sampling.grammar import GrammarRows
 from app.worker.sampling.prompt_logprobs import PromptLogprobs, PromptWant
 from app.worker.slot_state import SlotState
+from app.worker.spec.decoder import SpecDecoder, VerifyRows, make_spec_decoder
+from app.worker.spec.drafter import ChainDrafter
+from app.worker.spec.model_drafts import MODEL_DRAFTS, drafter_backend, load_model_drafter
 from app.worker.step_batch import StepBatch, lay_out
 from app.worker.transfer import upload
 
@@ -93,6 +97,8 @@ class ModelRunner:
                                     self.max_num_seqs, seed=settings.seed)
         # Structured output (sampling/grammar.py): matchers live where the tokens are sampled, the TP leader.
         self.grammar = GrammarRows(self._grammar_info, self.vocab_size, self.device, self.max_num_seqs)
+        self.drafter: ChainDrafter | None = None  # a model draft (STANDALONE, EAGLE3): its weights load here
+        self.spec = self._spec_decoder()
         self.clock.enter("kernels")
         self.attention_backend_name = choose_backend(
             settings.attention_backend, self.device, self.dtype, self.model.attention_spec, self.kv_dtype,
@@ -101,6 +107,8 @@ class ModelRunner:
         self.workload = Workload(
             self.model, self.attention_backend_name, self.dtype, self.kv_dtype, self.device, self.block_size,
             self.max_model_len, self.max_num_seqs, memory_plan.step_tokens(settings), self.vocab_size,
+            # the draft's cache holds the same tokens in the same blocks (in the model dtype)
+            self.drafter.kv_bytes_per_token(self.dtype) if self.drafter is not None else 0,
         )
         self.graph_sizes = graph_capture.decode_graph_sizes(settings, self.device, self.attention_backend_name,
                                                             self.max_num_seqs)
@@ -122,12 +130,15 @@ class ModelRunner:
         self._refused: set[int] = set()  # slots whose sequence was refused, until the scheduler frees them
         self._prompt_want: dict[int, PromptWant] = {}  # slots whose prompt logprobs are asked
         self.checks = PlanChecks(self.slots, self.pool.num_blocks, self.block_size, self.max_model_len,
-                                 self.vocab_size, self.sampler.validate)
+                                 self.vocab_size, self.sampler.validate, self.spec is not None)
         self.clock.enter("graph_capture")
+        self._attach_drafter()
         self.graphs = graph_capture.capture_decode_graphs(
-            self.workload, self.attention, self.graph_sizes, self.slots.max_blocks, self.scratch_block
+            self.workload, self.attention, self.graph_sizes, self.slots.max_blocks, self.scratch_block,
+            self._capture_layers(),
         )
-        self.pieces = graph_capture.capture_pieces(self.workload, self.attention, self.piece_sizes, self.scratch_block)
+        self.pieces = graph_capture.capture_pieces(self.workload, self.attention, self.piece_sizes, self.scratch_block,
+                                                   self._capture_layers())
         graph_capture.check_graph_memory(self._graph_bytes(), self.graph_reserve_bytes)
         self.plan_fence = PlanFence(self.device)  # eager steps' attention plans (graphs keep their own)
         logger.info(
@@ -144,6 +155,33 @@ class ModelRunner:
             self.attention_backend_name,
             self.attention.decode_kernel_name(),
         )
+
+    def _spec_decoder(self) -> SpecDecoder | None:
+        """Speculative decoding (app/worker/spec): drafts are made and verified on the host of one rank."""
+        if getattr(self.settings, "speculative_algorithm", None) is None:  # getattr: the GPU tests' settings
+            return None
+        if self.tp.size > 1:
+            raise ValueError("speculative decoding with --tensor-parallel-size > 1 is not supported yet")
+        if self.settings.speculative_algorithm in MODEL_DRAFTS:
+            self.drafter = load_model_drafter(self.settings, self.model, self.config, self.device,
+                                              self.max_model_len, self.max_num_seqs)
+        return make_spec_decoder(self.settings, self.block_size, self.device, self.vocab_size, self.drafter)
+
+    def _attach_drafter(self) -> None:
+        """A model draft's cache: the pool's block ids (scratch included) in the model dtype, read through the
+        slots' block tables; its chain steps graphed where the target's decode steps are."""
+        if self.drafter is None:
+            return
+        backend = drafter_backend(self.settings, self.attention_backend_name, self.model.attention_spec.head_dim,
+                                  self.drafter, self.device, self.dtype)
+        self.drafter.attach(self.pool.num_blocks + 1, self.block_size, self.slots.block_tables,
+                            self.slots.num_blocks, self.dtype, backend)
+        if self.graph_sizes and backend_class(backend).supports_cuda_graphs:
+            self.drafter.capture_graphs(self.graph_sizes)
+
+    def _capture_layers(self) -> tuple[int, ...]:
+        """The target layers whose input the proposer reads (EAGLE-3), or none."""
+        return self.spec.proposer.capture_layers if self.spec is not None else ()
 
     def _graph_bytes(self) -> int:
         return graph_capture.captured_bytes(self.graphs, self.pieces)
@@ -250,7 +288,10 @@ class ModelRunner:
 
     def finish(self, pending: PendingStep) -> StepResult:
         """Wait for a launched step's results and build its StepResult."""
-        return step_result(pending, self.grammar)
+        result = step_result(pending, self.grammar)
+        if self.spec is not None:
+            self.spec.finish(pending.observed, result, pending.spec)
+        return result
 
     def _grammar_info(self) -> Any:
         """XGrammar's view of the served tokenizer, built as the tokenizer process builds it."""
@@ -261,6 +302,8 @@ class ModelRunner:
 
     def _register(self, seq: NewSeq) -> None:
         self.sampler.add_seq(seq.slot, seq.rid, seq.sampling, list(seq.prompt_ids), list(seq.output_ids))
+        if self.spec is not None:
+            self.spec.register(seq)
         if seq.sampling.grammar is not None and self.tp.leader:
             try:
                 self.grammar.add(seq.slot, seq.sampling.grammar, list(seq.output_ids))
@@ -280,6 +323,8 @@ class ModelRunner:
         if self.slots.active[slot]:
             self.sampler.remove_seq(slot)
             self.grammar.remove(slot)
+            if self.spec is not None:
+                self.spec.release(slot)
             self.slots.release(slot)
             self._prompt_want.pop(slot, None)
 
@@ -293,16 +338,37 @@ class ModelRunner:
         s.write_blocks(appends)
         for slot, first, ids in appends:
             s.num_blocks[slot] = first + len(ids)
-        step = lay_out(plan.chunks, s.seq_len, self._prompt_want)
+        chunks, verify = self.spec.expand(plan.chunks) if self.spec is not None else (plan.chunks, VerifyRows())
+        step = lay_out(chunks, s.seq_len, self._prompt_want)
+        num_sampled = verify.take_rows(step)  # verify rows: logits at every fed position, verified, not sampled
         if self._graphable(step):
             for slot, length in zip(step.slots, step.seq_lens, strict=True):
                 s.seq_len[slot] = length  # the graph's own buffers get the lengths on the device
             logits = self.graphs.run(step.slots, step.seq_lens, s.block_tables, s.last_token)
             prompt = None  # decode rows only: no prompt position
+            if self.graphs.aux is not None:  # a copy: the next replay rewrites the buffer
+                step.aux_hidden = self.graphs.aux[: len(step.slots)].clone()
         else:
             logits, prompt = self._eager_logits(step)
         for chunk in plan.chunks:  # fed tokens supersede a sampled one; sampling below sets it again
             s.has_token[chunk.slot] = False
+        if self.spec is None:
+            return self._sample(plan, step, logits, prompt)
+        verified = self.spec.verify(logits[num_sampled:], verify, s) if verify.slots else None
+        if verified is not None:
+            logits = logits[:num_sampled] if num_sampled else None
+            del step.sample_rows[num_sampled:]
+        pending = self._sample(plan, step, logits, prompt)
+        pending.spec = verified
+        self.spec.trim(plan.chunks, s)
+        pending.observed = self.spec.target_step(chunks, step)
+        pending.observed.aux_hidden = step.aux_hidden
+        return pending
+
+    def _sample(self, plan: StepPlan, step: StepBatch, logits: torch.Tensor | None,
+                prompt: PromptLogprobs | None) -> PendingStep:
+        """Sample the rows that ask and start reading the tokens back."""
+        s = self.slots
         if logits is None:
             return PendingStep(step=plan.step, prompt=prompt)
         # Sampling happens once, on the TP leader; the other ranks take its tokens (the next step's input).
@@ -352,10 +418,14 @@ class ModelRunner:
         self.plan_fence.before_plan()
         meta = self.attention.plan(batch)
         self.plan_fence.after_plan()
+        capture = HiddenCapture(self._capture_layers()) if self._capture_layers() else None
         if self.pieces is not None and self.pieces.size_for(batch.num_tokens) is not None:
             hidden = self.pieces.run(input_ids, batch, meta)
+            if self.pieces.aux is not None:  # a copy: the next run rewrites the buffer
+                step.aux_hidden = self.pieces.aux[: batch.num_tokens].clone()
         else:
-            hidden = self.model(input_ids, batch.positions, meta)
+            hidden = self.model(input_ids, batch.positions, meta, capture)
+            step.aux_hidden = capture.concatenated() if capture is not None else None
         # Before the sampled rows' logits: a piecewise run's hidden is a static buffer, read it now.
         prompt = step.prompt.compute(hidden, self.model.compute_logits, self.device, self.tp.leader)
         if not step.sample_rows:

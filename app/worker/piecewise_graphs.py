@@ -30,6 +30,7 @@ import torch
 
 from app.worker.attention import AttentionBackend, AttentionBatch, AttentionMetadata
 from app.worker.cuda_graphs import CapturedSizes
+from app.worker.models.dense import HiddenCapture
 
 # Below a few hundred tokens a step is bound by reading the weights, so padding it costs little; from
 # 512 up the buckets are 128 tokens apart (a quarter of a step at most). Past ~2000 tokens the GPU's
@@ -116,6 +117,7 @@ class PiecewiseGraphs(CapturedSizes):
         scratch_slot: int,
         hidden_size: int,
         device: torch.device,
+        capture_layers: tuple[int, ...] = (),
     ) -> None:
         super().__init__(sizes)
         if not backend.supports_piecewise_graphs:
@@ -133,12 +135,20 @@ class PiecewiseGraphs(CapturedSizes):
         self.queries = torch.zeros(largest, spec.num_heads, spec.head_dim, dtype=dtype, device=device)
         self.attn_out = torch.zeros(largest, spec.num_heads, spec.head_dim, dtype=dtype, device=device)
         self.hidden = torch.zeros(largest, hidden_size, dtype=dtype, device=device)
+        # The residual stream entering these layers, side by side, per row (EAGLE-3; see HiddenCapture):
+        # summed inside the pieces, copied here by the last one.
+        self.capture_layers = capture_layers
+        self.aux = torch.zeros(largest, len(capture_layers) * hidden_size, dtype=dtype, device=device
+                               ) if capture_layers else None
         self.pieces: dict[int, _Pieces] = {}
 
     def _forward(self, size: int, pool: tuple | None) -> _Pieces:
         cutter = _Cutter(self, size, pool)
-        hidden = self.model(self.input_ids[:size], self.positions[:size], cutter.meta)
+        capture = HiddenCapture(self.capture_layers) if self.aux is not None else None
+        hidden = self.model(self.input_ids[:size], self.positions[:size], cutter.meta, capture)
         self.hidden[:size].copy_(hidden)
+        if capture is not None and self.aux is not None:
+            self.aux[:size].copy_(capture.concatenated())
         cutter.end()
         return cutter.pieces
 

@@ -31,6 +31,7 @@ class PlanChecks:
     max_model_len: int
     vocab_size: int
     sampling_error: Callable[[SamplingParams], str | None]  # the sampler's refusal, or None
+    speculative: bool = False  # whether decode chunks may carry drafts (protocol.SeqChunk.num_draft)
 
     def validate(self, plan: StepPlan, refused: set[int]) -> dict[int, str]:
         """Refuse a plan that does not fit (PlanError: a scheduler fault, the step fails) before any state
@@ -111,8 +112,10 @@ class PlanChecks:
             raise PlanError(f"decode chunk for slot {chunk.slot}, which has no sampled token to feed")
         elif not chunk.sample:
             raise PlanError(f"decode chunk for slot {chunk.slot} must sample")
+        if chunk.num_draft and (not self.speculative or chunk.token_ids or not chunk.sample):
+            raise PlanError(f"slot {chunk.slot}: drafts are verified after a decode only, with speculation on")
         start = new.num_cached_tokens if new else s.seq_len[chunk.slot]
-        end = start + max(len(chunk.token_ids), 1)
+        end = start + max(len(chunk.token_ids), 1) + chunk.num_draft
         if end > blocks * self.block_size:
             raise PlanError(
                 f"slot {chunk.slot}: context of {end} tokens exceeds its {blocks} blocks of {self.block_size}"

@@ -15,6 +15,8 @@ from app.worker.sampling import SamplerOutput
 from app.worker.sampling.grammar import Deferred, GrammarRows
 from app.worker.sampling.logprobs import DeviceLogprobs
 from app.worker.sampling.prompt_logprobs import PromptLogprobs
+from app.worker.spec.decoder import VerifyOut
+from app.worker.spec.proposer import TargetStep
 
 
 @dataclass
@@ -31,6 +33,8 @@ class PendingStep:
     failed: dict[int, str] = field(default_factory=dict)  # sequences refused at launch: slot -> why
     grammar: Deferred | None = None  # constrained rows whose matchers await these tokens
     prompt: PromptLogprobs | None = None  # prompt logprobs computed in this step (TP leader)
+    spec: VerifyOut | None = None  # speculative decoding: the verify rows' outcome (host)
+    observed: TargetStep | None = None  # what the proposer hears once the step's tokens are known
 
     def ready(self) -> bool:
         """Whether finish() would return without waiting for the device."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from app.protocol import SeqChunk
 from app.worker.sampling.prompt_logprobs import PromptRows, PromptWant
 
@@ -22,6 +24,7 @@ class StepBatch:
     sample_rows: list[int] = field(default_factory=list)
     sample_slots: list[int] = field(default_factory=list)
     prompt: PromptRows = field(default_factory=PromptRows)  # rows whose prompt logprobs are asked
+    aux_hidden: torch.Tensor | None = None  # every row's captured states, for an EAGLE-3 proposer
 
 
 def lay_out(chunks: list[SeqChunk], seq_len: list[int], prompt_want: dict[int, PromptWant]) -> StepBatch:

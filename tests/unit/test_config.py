@@ -83,7 +83,7 @@ def test_every_field_has_a_seed_group_and_purpose() -> None:
         "request_timeout", "ttft_timeout", "heartbeat_timeout", "worker_heartbeat_timeout", "base_gpu_id",
         "gpu_id_step", "load_balance_method", "piecewise_cuda_graph_max_tokens",
         "enable_pdl", "allow_remote_admin", "weight_update_roots", "grammar_compile_timeout",
-        "grammar_cache_size",
+        "grammar_cache_size", "speculative_ngram_min_match_window_size", "speculative_ngram_max_match_window_size",
     }
 
 
@@ -266,10 +266,10 @@ def test_json_parameter_errors_name_the_source(tmp_path: Path) -> None:
 
 
 def test_json_speculative_config_parses_then_is_refused(tmp_path: Path) -> None:
-    config = '{"method": "EAGLE3", "num_speculative_tokens": 3}'
+    config = '{"method": "MTP", "num_speculative_tokens": 3}'
     message = error_of(["m", "--speculative-config", config])
-    assert message.startswith("--speculative-config '{\"method\": \"EAGLE3\"")
-    assert message.endswith("(set by --speculative-config)")
+    assert message.startswith("--speculative-algorithm MTP is not supported yet")
+    assert message.endswith("(from --speculative-config) (set by --speculative-config)")
     recipe = write(tmp_path, "model: m\nspeculative-config:\n  method: MTP\n")
     assert error_of(["--config", recipe]).endswith(f"(set by {recipe}: speculative-config)")
 
@@ -395,9 +395,9 @@ def test_pool_must_hold_a_full_sequence() -> None:
 
 
 def test_unsupported_message_names_flag_and_source() -> None:
-    assert error_of(["m"], {"TOKENSPEED_SPECULATIVE_ALGORITHM": "EAGLE3"}) == (
-        "--speculative-algorithm EAGLE3 is not supported yet: speculative decoding is not built yet "
-        "(set by TOKENSPEED_SPECULATIVE_ALGORITHM)"
+    assert error_of(["m"], {"TOKENSPEED_SPECULATIVE_ALGORITHM": "MTP"}) == (
+        "--speculative-algorithm MTP is not supported yet: " + support._SPEC
+        + " (set by TOKENSPEED_SPECULATIVE_ALGORITHM)"
     )
 
 
@@ -410,9 +410,8 @@ def test_unsupported_message_names_flag_and_source() -> None:
     ["--moe-backend", "flashinfer_cutlass"], ["--all2all-backend", "deepep"],
     ["--deepep-mode", "normal"], ["--drafter-attention-backend", "fa3"], ["--draft-moe-backend", "triton"],
     ["--reasoning-parser", "qwen"], ["--tool-call-parser", "hermes"], ["--enable-custom-logit-processor"],
-    ["--speculative-draft-model-path", "d"], ["--speculative-num-steps", "2"], ["--speculative-eagle-topk", "2"],
-    ["--speculative-num-draft-tokens", "2"], ["--speculative-draft-model-quantization", "fp8"],
-    ["--eagle3-layers-to-capture", "1,2"], ["--no-disable-kvstore"], ["--kvstore-ratio", "1.5"], ["--kvstore-size", "4"], ["--kvstore-io-backend", "direct"],
+    ["--speculative-eagle-topk", "2"], ["--speculative-draft-model-quantization", "nvfp4"],
+    ["--no-disable-kvstore"], ["--kvstore-ratio", "1.5"], ["--kvstore-size", "4"], ["--kvstore-io-backend", "direct"],
     ["--kvstore-mem-layout", "page_first"], ["--kvstore-storage-backend", "mooncake"],
     ["--enable-mla-l1-5-cache"], ["--mla-chunk-multiplier", "2"], ["--disaggregation-mode", "prefill"],
     ["--disaggregation-bootstrap-port", "9000"], ["--disaggregation-ib-device", "mlx5_0"],

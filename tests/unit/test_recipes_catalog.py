@@ -24,6 +24,9 @@ DOCS = ROOT / "docs" / "recipes.md"
 FP8_RECIPES = ("qwen3-8b-fp8.yaml", "llama-3.1-8b-instruct-fp8.yaml", "qwen3-30b-a3b-fp8.yaml")
 # Recipes for local models, owned by the config and model work (not Hub models).
 LOCAL = {"smollm2-135m-instruct.yaml", "tiny-test.yaml"}
+# Recipes that add speculative decoding to a catalogue recipe: (recipe, its base, the draft's Hub id).
+SPECULATIVE = {"llama-3.1-8b-instruct-eagle3.yaml": ("llama-3.1-8b-instruct-bf16.yaml", "EAGLE3",
+                                                     "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B")}
 
 H200_BYTES = 141e9
 
@@ -67,7 +70,7 @@ def document(name: str) -> dict[str, Any]:
 def test_the_catalogue_is_complete() -> None:
     present = {p.name for p in RECIPES.glob("*.yaml")}
     assert CATALOGUE <= present, sorted(CATALOGUE - present)
-    assert present - CATALOGUE - LOCAL == set(), "classify the new recipe here (CATALOGUE or LOCAL)"
+    assert present - CATALOGUE - LOCAL - set(SPECULATIVE) == set(), "classify the new recipe here (CATALOGUE, LOCAL or SPECULATIVE)"
 
 
 @pytest.mark.parametrize("name", FP8_RECIPES)
@@ -110,6 +113,18 @@ def test_recipe_leaves_the_listener_to_the_deployment(name: str) -> None:
 
 def test_docs_list_every_recipe() -> None:
     text = DOCS.read_text()
-    for name in sorted(CATALOGUE | LOCAL):
+    for name in sorted(CATALOGUE | LOCAL | set(SPECULATIVE)):
         assert f"`{name}`" in text, name
     assert "Qwen3-30B-A3B" in text and "MoE" in text
+
+
+@pytest.mark.parametrize("name", sorted(SPECULATIVE))
+def test_speculative_recipe_is_its_base_plus_the_draft(name: str) -> None:
+    """The model and precision are its base recipe's; the method and draft come in speculative_config."""
+    base, algorithm, draft = SPECULATIVE[name]
+    doc, base_doc = document(name), document(base)
+    for key in ("model", "dtype", "load_format", "kv_cache_dtype", "max_model_len", "gpu_memory_utilization"):
+        assert doc[key] == base_doc[key], key
+    settings = resolve_with_sources(["--config", str(RECIPES / name)], {}).settings
+    assert (settings.speculative_algorithm, settings.speculative_draft_model_path) == (algorithm, draft)
+    assert (settings.speculative_num_steps, settings.speculative_num_draft_tokens) == (3, 4)

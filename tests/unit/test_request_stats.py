@@ -37,6 +37,15 @@ def test_fields_follow_the_seed_definitions() -> None:
     assert repr(stats).startswith("RequestStats(status='finished', reason='stop', prompt_tokens=20, cache_tokens=8")
 
 
+def test_speculative_acceptance_fields() -> None:
+    req = finished_request()
+    req.spec_verify_steps, req.spec_draft_tokens, req.spec_accepted_tokens = 2, 6, 2
+    stats = request_stats(req, "stop", speculative=True)
+    assert (stats.acc_len, stats.acc_rate) == (2.0, round(2 / 6, 4))  # 4 tokens in 2 verify steps
+    idle = request_stats(finished_request(), "stop", speculative=True)  # never drafted (e.g. penalties)
+    assert (idle.acc_len, idle.acc_rate) == (1.0, 0.0)
+
+
 def test_an_abort_in_the_queue_has_no_schedule_or_token_times() -> None:
     req = Request("r2", [1, 2, 3], p.SamplingParams(), 10, arrival_time=T0)
     req.finish_time = T0 + 0.5

@@ -11,7 +11,7 @@ metadata says which tokens belong to which sequence.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -179,16 +179,42 @@ class DenseModel(nn.Module):
         self.rotary = rotary
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        capture: HiddenCapture | None = None,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         rope = Rope(self.rotary, positions, hidden.dtype)
         residual = None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            if capture is not None and i in capture.layers:
+                capture.take(i, hidden, residual)
             hidden, residual = layer(hidden, residual, rope, attn)
+        if capture is not None and len(self.layers) in capture.layers:
+            capture.take(len(self.layers), hidden, residual)
         if residual is None:  # no layers
             return self.norm(hidden)
         return self.norm.add_forward(hidden, residual)[0]
+
+
+@dataclass
+class HiddenCapture:
+    """Asks a forward for the residual stream entering the given layers (index L: the last layer's output
+    before the final norm), as EAGLE-3 heads read it; `states` maps each index to its [T, hidden]. The
+    plain forward passes None and pays one comparison a layer."""
+
+    layers: tuple[int, ...]
+    states: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def take(self, index: int, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
+        # A sum, not a view: the fused norm of the next layer updates `residual` in place.
+        self.states[index] = hidden if residual is None else hidden + residual
+
+    def concatenated(self) -> torch.Tensor:
+        """[T, len(layers) x hidden], the layers' states side by side (EAGLE-3's fc input)."""
+        return torch.cat([self.states[i] for i in self.layers], dim=-1)
 
 
 # (fused parameter infix, checkpoint infix, shard id)
@@ -244,10 +270,15 @@ class DenseCausalLM(nn.Module):
         return KVCacheSpec(d.num_layers, d.num_kv_heads, d.head_dim, dtype)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        capture: HiddenCapture | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states [T, hidden]."""
-        return self.model(input_ids, positions, attn)
+        """input_ids, positions [T] -> final hidden states [T, hidden]; `capture` also collects the
+        residual stream entering the layers it names (EAGLE-3)."""
+        return self.model(input_ids, positions, attn, capture)
 
     def compute_logits(self, hidden_rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[B, hidden] (only the rows that sample) -> logits [B, vocab] in the model dtype (into out)."""

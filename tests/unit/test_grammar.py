@@ -31,7 +31,7 @@ from app.protocol import (
 )
 from app.tokenizer.core import SCHEDULER, TokenizerCore
 from app.tokenizer.grammar import GrammarService
-from app.worker.sampling.grammar import GrammarRows, apply_bitmask
+from app.worker.sampling.grammar import GrammarRows
 
 VOCAB = 512
 EOS = 2
@@ -190,29 +190,6 @@ def test_preempted_sequence_replays_its_output(tok, compiler) -> None:
         rows.add(1, spec, [a, a, a])
     rows.remove(0)
     assert 0 not in rows and rows.mask(torch.randn(1, VOCAB), [0]) is None
-
-
-def test_apply_bitmask_equals_xgrammar(compiler) -> None:
-    import xgrammar as xgr
-
-    torch.manual_seed(0)
-    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, (VOCAB + 31) // 32), dtype=torch.int32)
-    logits = torch.randn(5, VOCAB)
-    ours = logits.clone()
-    apply_bitmask(ours, bitmask, torch.tensor([4, 0, 2]))
-    theirs = logits.clone()
-    full = torch.full((5, bitmask.shape[1]), -1, dtype=torch.int32)
-    full[[4, 0, 2]] = bitmask
-    xgr.apply_token_bitmask_inplace(theirs, full, indices=[4, 0, 2])
-    assert torch.equal(ours, theirs)
-
-
-def test_bitmask_unpack_and_gather_agree() -> None:
-    from app.worker.sampling.grammar import _gather, _unpack
-
-    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, 5), dtype=torch.int32)
-    expected = torch.tensor([[(int(w) >> b) & 1 for w in row for b in range(32)] for row in bitmask.tolist()]).bool()
-    assert torch.equal(_unpack(bitmask), expected) and torch.equal(_gather(bitmask), expected)
 
 
 @pytest.mark.parametrize("threads", [1, 2])

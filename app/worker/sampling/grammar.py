@@ -5,8 +5,9 @@ tokenizer process); it is deserialized once per grammar text (a small LRU here) 
 slot follows the tokens the sequence outputs (a preempted sequence's matcher replays its output on
 re-registration). Before a step samples, mask() fills an XGrammar token bitmask for the constrained rows
 only, uploads it and sets every token the grammar does not allow to -inf in the logits (outside any CUDA
-graph, after the LM head; on the CPU XGrammar's native apply does it in place). Unconstrained rows are
-not touched; a step without constrained rows pays one dict lookup. The sampler then works on the masked logits: logprobs describe the masked distribution.
+graph, after the LM head, one kernel of tokenspeed_kernels.grammar_mask; on the CPU XGrammar's native
+apply does it in place). Unconstrained rows are not touched; a step without constrained rows pays one dict
+lookup. The sampler then works on the masked logits: logprobs describe the masked distribution.
 
 Pipelining (app/worker/process.py launches step N+1 before it reads step N's tokens): the bitmask of a
 constrained row at step N+1 needs its token of step N. mask() runs after step N+1's forward is queued,
@@ -40,6 +41,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from tokenspeed_kernels.grammar_mask import apply_bitmask
 
 from app.grammar import cache_key
 from app.protocol import GrammarSpec
@@ -209,7 +211,7 @@ class GrammarRows:
             return
         bitmask = host[: len(live)].to(self.device, non_blocking=True)
         self._copied[self._turn].record()
-        apply_bitmask(logits, bitmask, upload(rows, torch.int64, self.device))
+        apply_bitmask(logits, bitmask, upload(rows, torch.int32, self.device))
 
     def _next_host_mask(self) -> torch.Tensor:
         """The host bitmask to fill now: on CUDA the page-locked buffer whose last copy ran longest ago
@@ -225,39 +227,3 @@ class GrammarRows:
         if event is not None:
             event.synchronize()  # an event never recorded returns at once
         return self._host_masks[self._turn]
-
-
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
-    """logits[rows[i], t] = -inf wherever bit t of bitmask[i] is 0 (XGrammar's layout: 32 tokens per
-    int32, lowest bit first). Device work only, no host sync."""
-    width = logits.shape[1]
-    allowed = (_unpack if bitmask.device.type == "cpu" else _gather)(bitmask)[:, :width]
-    if allowed.shape[1] < width:  # logits wider than the bitmask: the extra ids are never allowed
-        allowed = torch.nn.functional.pad(allowed, (0, width - allowed.shape[1]), value=False)
-    picked = logits.index_select(0, rows)
-    logits.index_copy_(0, rows, picked.masked_fill_(~allowed, float("-inf")))
-
-
-def _unpack(bitmask: torch.Tensor) -> torch.Tensor:
-    """[n, 32 * words] bool of a host bitmask: numpy unpacks bits ~20x faster than the gather on a CPU."""
-    bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=1, bitorder="little")
-    return torch.from_numpy(bits).bool()
-
-
-def _gather(bitmask: torch.Tensor) -> torch.Tensor:
-    """[n, 32 * words] bool of a device bitmask: each byte of the (little-endian) words picks its 8 flags
-    from a 256-row table, one gather (no host sync)."""
-    table = _byte_bits(bitmask.device)
-    return table[bitmask.contiguous().view(torch.uint8).long()].flatten(1)
-
-
-_BYTE_BITS: dict[torch.device, torch.Tensor] = {}
-
-
-def _byte_bits(device: torch.device) -> torch.Tensor:
-    """[256, 8] bool: the bits of each byte value, lowest first."""
-    table = _BYTE_BITS.get(device)
-    if table is None:
-        values = torch.arange(256, dtype=torch.int32)
-        table = _BYTE_BITS[device] = ((values.unsqueeze(1) >> torch.arange(8, dtype=torch.int32)) & 1).bool().to(device)
-    return table

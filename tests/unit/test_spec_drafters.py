@@ -6,11 +6,11 @@ token for token; a model drafting for itself must be accepted (almost) always.""
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+from app.config import Settings
 from app.worker.attention import build_attention_batch, make_attention_backend
 from app.worker.kv_cache import KVCache
 from app.worker.loader import load_hf_config, load_weights
@@ -22,6 +22,7 @@ from app.worker.spec.eagle3 import Eagle3Proposer
 from app.worker.spec.proposer import TargetStep
 from tests.support.eagle3_factory import build_eagle3_head
 from tests.support.model_factory import build_tiny_model
+from tests.support.settings import make_settings
 
 BLOCK, MAX_LEN, SLOTS = 4, 128, 2
 CPU = torch.device("cpu")
@@ -39,10 +40,8 @@ def load_target(model_dir: Path) -> DenseCausalLM:
     return model.eval()
 
 
-def settings(path: Path, **kw: object) -> SimpleNamespace:
-    base = {"speculative_draft_model_path": str(path), "speculative_draft_model_quantization": "unquant",
-            "load_format": "auto", "download_dir": None, "trust_remote_code": False, "eagle3_layers_to_capture": None}
-    return SimpleNamespace(**{**base, **kw})
+def settings(path: Path, **kw: object) -> Settings:
+    return make_settings(path, speculative_algorithm="STANDALONE", speculative_draft_model_path=str(path), **kw)
 
 
 class Target:
@@ -161,9 +160,6 @@ def test_draft_model_refusals(target_dir: Path, tmp_path: Path) -> None:
     other = build_tiny_model("llama", tmp_path / "other", vocab_size=300)
     with pytest.raises(ValueError, match="vocabulary"):
         DraftModelProposer.load(settings(other), config, CPU, torch.float32, MAX_LEN, SLOTS, 64)
-    with pytest.raises(ValueError, match="--speculative-draft-model-quantization 'nvfp4'"):
-        DraftModelProposer.load(settings(target_dir, speculative_draft_model_quantization="nvfp4"), config, CPU,
-                                torch.float32, MAX_LEN, SLOTS, 64)
 
 
 def test_split_feed_cuts_long_rows_in_order() -> None:
@@ -195,11 +191,11 @@ def test_drafter_attention_backend(target_dir: Path) -> None:
     proposer = DraftModelProposer.load(settings(target_dir), load_hf_config(target_dir), CPU, torch.float32,
                                        MAX_LEN, SLOTS, 64)
     head_dim = proposer.attention_spec.head_dim
-    choose = SimpleNamespace(drafter_attention_backend="torch")
+    choose = settings(Path("draft"), drafter_attention_backend="torch")
     assert drafter_backend(choose, "triton", head_dim, proposer, CPU, torch.float32) == "torch"
     with pytest.raises(ValueError, match="--drafter-attention-backend: attention backend 'flashinfer'"):
-        drafter_backend(SimpleNamespace(drafter_attention_backend="flashinfer"), "torch", head_dim, proposer, CPU,
+        drafter_backend(settings(Path("draft"), drafter_attention_backend="flashinfer"), "torch", head_dim, proposer, CPU,
                         torch.float32)
-    unset = SimpleNamespace(drafter_attention_backend=None)
+    unset = settings(Path("draft"))
     assert drafter_backend(unset, "flashinfer", head_dim, proposer, CPU, torch.float32) == "flashinfer"
     assert drafter_backend(unset, "flashinfer", 2 * head_dim, proposer, CPU, torch.float32) == "triton"

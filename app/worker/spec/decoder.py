@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from app.config.settings import Settings
 from app.protocol import NewSeq, SamplingParams, SeqChunk, StepResult
 from app.worker.slot_state import SlotState
 from app.worker.spec.proposer import Proposer, TargetStep
@@ -224,7 +225,7 @@ def _index(rows: list[int], device: Any) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64, device=device)
 
 
-def make_spec_decoder(settings: Any, block_size: int, device: torch.device, vocab_size: int,
+def make_spec_decoder(settings: Settings, block_size: int, device: torch.device, vocab_size: int,
                       drafter: Proposer | None = None) -> SpecDecoder | None:
     """The decoder --speculative-algorithm asks for (None: speculation off); a model draft (STANDALONE,
     EAGLE3) comes loaded (app/worker/spec/model_drafts.py), before the KV pool is sized."""

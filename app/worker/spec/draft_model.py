@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from app.config.settings import Settings
 from app.model_files import draft_load_format
 from app.worker.attention import AttentionMetadata, AttentionSpec
 from app.worker.kv_cache import KVCacheSpec
@@ -26,7 +27,6 @@ from app.worker.spec.drafter import ChainDrafter, Feed
 from app.worker.spec.proposer import TargetStep
 
 # --speculative-draft-model-quantization values this build runs (others are refused naming the flag).
-DRAFT_QUANTIZATIONS = ("unquant", "fp8")
 
 
 class DraftModelProposer(ChainDrafter):
@@ -35,7 +35,7 @@ class DraftModelProposer(ChainDrafter):
         self.model = model
 
     @classmethod
-    def load(cls, settings: Any, target_config: Any, device: torch.device, dtype: torch.dtype,
+    def load(cls, settings: Settings, target_config: Any, device: torch.device, dtype: torch.dtype,
              max_model_len: int, max_slots: int, max_tokens: int) -> DraftModelProposer:
         """Load --speculative-draft-model-path beside the target (same dtype, its own quantization)."""
         return cls(load_draft_model(settings, target_config, device, dtype, max_model_len), device, max_slots,
@@ -97,18 +97,12 @@ class DraftModelProposer(ChainDrafter):
         return num_tokens - 1 + j  # step j feeds draft j after the last committed token
 
 
-def load_draft_model(settings: Any, target_config: Any, device: torch.device, dtype: torch.dtype,
+def load_draft_model(settings: Settings, target_config: Any, device: torch.device, dtype: torch.dtype,
                      max_model_len: int) -> DenseCausalLM:
     """The draft model, checked against the target: a supported dense family, the same vocabulary, a
     context at least the target's --max-model-len."""
-    flag = "--speculative-draft-model-path"
+    flag = "--speculative-draft-model-path"  # Settings checked it is set, and the quantization
     path = settings.speculative_draft_model_path
-    if not path:
-        raise ValueError(f"speculative decoding with a draft model needs {flag}")
-    quant_flag = settings.speculative_draft_model_quantization
-    if quant_flag not in DRAFT_QUANTIZATIONS:
-        raise ValueError(f"--speculative-draft-model-quantization {quant_flag!r} is not supported; choose from "
-                         f"{', '.join(DRAFT_QUANTIZATIONS)}")
     model_dir = resolve_model_path(path, draft_load_format(settings.load_format), None, settings.download_dir,
                                    settings.trust_remote_code)
     config = load_hf_config(model_dir, None, settings.trust_remote_code)
@@ -123,7 +117,8 @@ def load_draft_model(settings: Any, target_config: Any, device: torch.device, dt
         cls = model_class_for(config)
     except ValueError as exc:
         raise ValueError(f"{flag} {path}: {exc}") from None
-    scheme = resolve_quantization("fp8" if quant_flag == "fp8" else None, config)
+    fp8 = settings.speculative_draft_model_quantization == "fp8"
+    scheme = resolve_quantization("fp8" if fp8 else None, config)
     with torch.device(device):
         model = cls(config, dtype, max_model_len, quant=Fp8LinearMethod(scheme) if scheme is not None else None)
     model.to(device)

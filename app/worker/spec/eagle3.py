@@ -13,10 +13,10 @@ there before: drafts only, never outputs, depend on it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
+from app.config.settings import Settings
 from app.model_files import draft_load_format
 from app.worker.attention import AttentionMetadata, AttentionSpec
 from app.worker.kv_cache import KVCacheSpec
@@ -38,15 +38,9 @@ class Eagle3Proposer(ChainDrafter):
         self.capture_layers = capture
 
     @classmethod
-    def load(cls, settings: Any, target: DenseCausalLM, device: torch.device, dtype: torch.dtype,
+    def load(cls, settings: Settings, target: DenseCausalLM, device: torch.device, dtype: torch.dtype,
              max_model_len: int, max_slots: int, max_tokens: int) -> Eagle3Proposer:
-        path = settings.speculative_draft_model_path
-        if not path:
-            raise ValueError("--speculative-algorithm EAGLE3 needs --speculative-draft-model-path (the head)")
-        if settings.speculative_draft_model_quantization != "unquant":
-            raise ValueError(f"--speculative-draft-model-quantization "
-                             f"{settings.speculative_draft_model_quantization} is not supported for an EAGLE-3 "
-                             "head (it runs unquantized)")
+        path = settings.speculative_draft_model_path  # Settings checked it is set, and unquantized
         capture = capture_indices(settings.eagle3_layers_to_capture, target.dims.num_layers)
         model_dir = resolve_model_path(path, draft_load_format(settings.load_format), None, settings.download_dir,
                                        settings.trust_remote_code)

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from app.config.settings import Settings
 from app.worker.attention import resolve_attention_backend
 from app.worker.models.dense import DenseCausalLM
 from app.worker.spec.drafter import ChainDrafter
@@ -14,7 +15,7 @@ from app.worker.spec.drafter import ChainDrafter
 MODEL_DRAFTS = ("STANDALONE", "EAGLE3")
 
 
-def load_model_drafter(settings: Any, target: DenseCausalLM, target_config: Any, device: torch.device,
+def load_model_drafter(settings: Settings, target: DenseCausalLM, target_config: Any, device: torch.device,
                        max_model_len: int, max_slots: int) -> ChainDrafter:
     """The drafter, its weights loaded beside the target's in the target's dtype (before the KV pool is
     sized: its weights count as the target's do; the runner adds kv_bytes_per_token and attaches it)."""
@@ -33,7 +34,7 @@ def load_model_drafter(settings: Any, target: DenseCausalLM, target_config: Any,
     raise ValueError(f"--speculative-algorithm {algorithm} drafts without a model")
 
 
-def drafter_backend(settings: Any, target_backend: str, target_head_dim: int, drafter: ChainDrafter,
+def drafter_backend(settings: Settings, target_backend: str, target_head_dim: int, drafter: ChainDrafter,
                     device: torch.device, dtype: torch.dtype) -> str:
     """--drafter-attention-backend resolved on this device for the draft's head size (an unusable one is
     refused naming the flag), else the target's backend; but triton for flashinfer when the head sizes

@@ -21,6 +21,7 @@ not a measurement). JSON goes to $OUT (or --json) and a table to stdout.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -130,6 +131,9 @@ def main(argv: list[str] | None = None) -> None:
         results[k]["cuda_graphs"] = runner.graphs is not None
         results[k]["piecewise_graphs"] = runner.pieces is not None
         close_runner(runner)
+        del runner  # the next runner sizes its pool from the free memory: this one's must be gone
+        gc.collect()
+        torch.cuda.empty_cache() if device.type == "cuda" else None
     decode_ms = statistics.median(results[0]["times"]["decode"])
     verify_ms = statistics.median(results[args.num_steps]["times"]["verify"])
     ratio = verify_ms / decode_ms

@@ -220,6 +220,30 @@ class StepResult:
 
 
 @dataclass(slots=True)
+class StartupFigures:
+    """What a worker built at start-up, for logs, /get_server_info's engine_info and /metrics (nothing
+    is checked against it: admission reads EngineInfo). The supervisor adds its own phases to
+    startup_phases before it reports the leader's figures as the engine's."""
+
+    weights_gb: float = 0.0
+    kv_pool_tokens: int = 0
+    max_concurrency: float = 0.0  # max_model_len-long sequences the KV pool holds at once
+    load_seconds: float = 0.0
+    dtype: str = ""
+    device: str = ""
+    architecture: str = ""
+    attention_backend: str = ""
+    decode_kernel: str = ""
+    cuda_graph_sizes: list[int] = field(default_factory=list)
+    piecewise_graph_sizes: list[int] = field(default_factory=list)
+    pdl: bool = False
+    cuda_graph_gb: float = 0.0
+    quantization: str = "none"
+    kv_cache_dtype: str = ""
+    startup_phases: dict[str, float] = field(default_factory=dict)  # phase -> seconds
+
+
+@dataclass(slots=True)
 class WorkerReady:
     """Sent by each worker once its model is loaded and warmed up."""
 
@@ -229,7 +253,7 @@ class WorkerReady:
     max_model_len: int
     vocab_size: int
     eos_token_ids: list[int]
-    info: dict[str, Any] = field(default_factory=dict)  # start-up figures for logs/metrics
+    info: StartupFigures = field(default_factory=StartupFigures)
 
 
 # ---------------------------------------------------------------- scheduler -> tokenizer -> http
@@ -518,22 +542,24 @@ class EngineInfo:
 
 @dataclass(slots=True)
 class ProcessReady:
-    """A child tells the supervisor it is up; info carries start-up figures for logs and metrics,
-    engine what admission needs (the worker leader's and the tokenizer's parts of EngineInfo)."""
+    """A child tells the supervisor it is up; info carries the worker leader's start-up figures,
+    engine what admission needs (the worker leader's and the tokenizer's parts of EngineInfo), port
+    the port an http process listens on."""
 
     name: str
     pid: int
-    info: dict[str, Any] = field(default_factory=dict)
+    info: StartupFigures | None = None
     engine: EngineInfo | None = None
+    port: int | None = None
 
 
 @dataclass(slots=True)
 class EngineReady:
     """Supervisor -> tokenizer -> http: every process is up and warmed up; info is the engine's
     start-up figures (for /get_server_info and metrics), engine what requests are checked against
-    (None on a worker node's health-only http)."""
+    (both None on a worker node's health-only http)."""
 
-    info: dict[str, Any] = field(default_factory=dict)
+    info: StartupFigures | None = None
     engine: EngineInfo | None = None
 
 
@@ -601,6 +627,7 @@ MESSAGE_TYPES: list[type] = [
     WeightIdentity,
     Tokenized,
     Detokenized,
+    StartupFigures,
 ]
 _TAG_OF: dict[type, int] = {cls: i for i, cls in enumerate(MESSAGE_TYPES)}
 _FIELDS: dict[type, tuple[str, ...]] = {

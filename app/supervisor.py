@@ -58,7 +58,7 @@ class Supervisor:
         self.inbox = ipc.bind_pull(self.ctx, self.endpoints.inbox("supervisor"))
         self.children: list[Child] = []
         self.stop_requested = False
-        self.ready_info: dict[str, dict] = {}
+        self.ready_info: dict[str, p.StartupFigures | None] = {}  # each child that is up: its figures
         self.ready_engine: dict[str, p.EngineInfo] = {}  # the worker leader's and the tokenizer's parts
         # A signal writes here so the watch loop wakes at once instead of at its next poll.
         self._wake_r, self._wake_w = os.pipe()
@@ -144,29 +144,29 @@ class Supervisor:
     def announce_ready(self, started: float) -> None:
         if not self.topology.head:  # a worker node: its health endpoint turns ready
             push = ipc.connect_push(self.ctx, self.endpoints.inbox("http"))
-            ipc.send(push, p.EngineReady({"node_rank": self.topology.node_rank}))
+            ipc.send(push, p.EngineReady())
             push.close(linger=1000)
             log.info("node %d ready (workers %s) in %.1f s", self.topology.node_rank,
                      ", ".join(w.name for w in self.topology.local_workers()), time.time() - started)
             return
         leader = self.topology.worker_name(0, 0)
-        worker = self.ready_info.get(leader, {})
-        info = {**worker, "startup_seconds": time.time() - started}
-        info["startup_phases"] = {**self.phase_seconds, **worker.get("startup_phases", {})}
+        worker = self.ready_info.get(leader) or p.StartupFigures()
+        # The engine's figures are its leader's, with the supervisor's own phases (download) first.
+        figures = dataclasses.replace(worker, startup_phases={**self.phase_seconds, **worker.startup_phases})
         engine = dataclasses.replace(
             self.ready_engine[leader],
             max_token_chars=self.ready_engine["tokenizer"].max_token_chars,
             served_model_name=self.settings.served_model_name,
             enable_metrics=bool(self.settings.enable_metrics),
-            startup_seconds=info["startup_seconds"],
+            startup_seconds=time.time() - started,
         )
         # The tokenizer forwards it to http once it has taken it in (see app/tokenizer/core.py).
         push = ipc.connect_push(self.ctx, self.endpoints.inbox("tokenizer"))
-        ipc.send(push, p.EngineReady(info, engine))
+        ipc.send(push, p.EngineReady(figures, engine))
         push.close(linger=1000)
         s = self.settings
         log.info("ready on http://%s:%d in %.1f s (serving %s); start-up phases: %s", s.host, s.port,
-                 info["startup_seconds"], s.served_model_name, startup_phases.summary(info["startup_phases"]))
+                 engine.startup_seconds, s.served_model_name, startup_phases.summary(figures.startup_phases))
 
     # ------------------------------------------------------------------ watch and stop
 

@@ -72,16 +72,16 @@ def runner_figures(runner: Any, args: argparse.Namespace) -> dict[str, Any]:
     return {
         "quantization": args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype,
-        "weights_detail": info["quantization"],
-        "kv_cache_detail": info["kv_cache_dtype"],
-        "kv_pool_tokens": info["kv_pool_tokens"],
+        "weights_detail": info.quantization,
+        "kv_cache_detail": info.kv_cache_dtype,
+        "kv_pool_tokens": info.kv_pool_tokens,
         "kv_pool_bytes": runner.kv_cache.nbytes,  # the pool plus the CUDA-graph scratch block
         "kv_bytes_per_token": runner.model.kv_cache_spec(runner.kv_dtype).bytes_per_token,
         "max_total_tokens": args.max_total_tokens,
-        "cuda_graph_sizes": info["cuda_graph_sizes"],
-        "piecewise_graph_sizes": info["piecewise_graph_sizes"],
-        "pdl": info["pdl"],
-        "startup_phases_s": info["startup_phases"],
+        "cuda_graph_sizes": info.cuda_graph_sizes,
+        "piecewise_graph_sizes": info.piecewise_graph_sizes,
+        "pdl": info.pdl,
+        "startup_phases_s": info.startup_phases,
     }
 
 

@@ -106,7 +106,7 @@ async def get_server_info(request: Request) -> Response:
     return JSON({
         **state.config.settings_view,
         "weight_version": state.weight_version,
-        "engine_info": {**state.client.info, **dataclasses.asdict(state.client.engine)} if state.client.ready else {},
+        "engine_info": state.client.engine_summary(),
         "ready": state.ready(),
         "draining": state.draining,
         "num_inflight_requests": state.inflight,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import dataclasses
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -30,6 +31,7 @@ from app.protocol import (
     GenerateRequest,
     ProtocolError,
     Shutdown,
+    StartupFigures,
     StartupPhase,
     TextDelta,
     TextDeltas,
@@ -90,7 +92,7 @@ class Submission:
 class BaseEngineClient(abc.ABC):
     def __init__(self, on_shutdown: Callable[[str], None] | None = None) -> None:
         self.ready = False
-        self.info: dict[str, Any] = {}  # the engine's start-up figures (reports and metrics)
+        self.info: StartupFigures | None = None  # the engine's start-up figures (reports and metrics)
         self.engine = EngineInfo()  # what requests are checked against; its zeros until ready
         self.startup = StartupProgress()  # where start-up is, for /readiness until ready
         self.on_shutdown = on_shutdown
@@ -99,6 +101,22 @@ class BaseEngineClient(abc.ABC):
         # Sees every control reply as it arrives, before any later output is delivered (ServerState
         # applies a weight update's new version here, so no later response carries the old one).
         self.on_control_reply: Callable[[ControlReply], None] | None = None
+
+    # ------------------------------------------------------------ what the engine reported
+
+    def engine_summary(self) -> dict[str, Any]:
+        """/get_server_info's engine_info: the start-up figures and what requests are checked against
+        ({} until ready)."""
+        if not self.ready:
+            return {}
+        figures = dataclasses.asdict(self.info) if self.info is not None else {}
+        return {**figures, **dataclasses.asdict(self.engine)}
+
+    def startup_phases(self) -> dict[str, float] | None:
+        """The engine's start-up phases in seconds and their "total" (/metrics), once it is ready."""
+        if not self.ready or self.info is None:
+            return None
+        return {**self.info.startup_phases, "total": self.engine.startup_seconds}
 
     # ------------------------------------------------------------ transport
 
@@ -188,7 +206,7 @@ class BaseEngineClient(abc.ABC):
             if future is not None and not future.done():
                 future.set_result(msg)
         elif isinstance(msg, EngineReady):
-            self.info = dict(msg.info)
+            self.info = msg.info
             if msg.engine is not None:
                 self.engine = msg.engine
             self.ready = True

@@ -79,7 +79,7 @@ async def _serve(settings: Settings, endpoints: Endpoints) -> None:
     if server.started:
         push = ctx.socket(zmq.PUSH)
         push.connect(endpoints.inbox("supervisor"))
-        await push.send(p.encode(p.ProcessReady("http", os.getpid(), {"port": settings.port})))
+        await push.send(p.encode(p.ProcessReady("http", os.getpid(), port=settings.port)))
         push.close(linger=1000)
         log.info("node %d health on %s:%d", settings.node_rank, settings.host, settings.port)
     await serving

@@ -16,7 +16,6 @@ import logging
 import os
 import signal
 from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any
 
 import uvicorn
 import zmq
@@ -85,7 +84,7 @@ def build_app(
               *openapi.ROUTES, *extra_routes]
     open_paths = health.OPEN_PATHS
     if config.enable_metrics:  # scrapers carry no key; without --enable-metrics /metrics is a 404
-        routes.append(metrics_route(config.served_model_name, lambda: client.info if client.ready else None))
+        routes.append(metrics_route(config.served_model_name, client.startup_phases))
         open_paths = (*open_paths, "/metrics")
     middleware = []
     if config.api_key or config.admin_api_key or config.admin_closed:
@@ -195,7 +194,7 @@ async def _serve(settings: Settings, config: HttpConfig, endpoints: Endpoints) -
         await asyncio.sleep(STARTUP_POLL_S)
     if server.started:
         port = server.servers[0].sockets[0].getsockname()[1]
-        _announce(endpoints, {"port": port})
+        _announce(endpoints, port)
         log.info("http listening on %s:%d", config.host, port)
         stopping = asyncio.create_task(stop_after.get())
         await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -210,12 +209,12 @@ async def _serve(settings: Settings, config: HttpConfig, endpoints: Endpoints) -
         raise RuntimeError("the HTTP server did not start (lifespan start-up failed: see the log above)")
 
 
-def _announce(endpoints: Endpoints, info: dict[str, Any]) -> None:
+def _announce(endpoints: Endpoints, port: int) -> None:
     settle_heap()
     ctx = zmq.Context()
     try:
         sock = ipc.connect_push(ctx, endpoints.inbox("supervisor"))
-        ipc.send(sock, ProcessReady(name="http", pid=os.getpid(), info=info))
+        ipc.send(sock, ProcessReady(name="http", pid=os.getpid(), port=port))
         sock.close()
     finally:
         ctx.term()

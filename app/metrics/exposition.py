@@ -44,30 +44,27 @@ def exposition() -> tuple[bytes, str]:
 
 
 class StartupMetrics:
-    """tokenspeed:startup_time_seconds{phase} from the engine summary (EngineReady info): the worker's
-    `startup_phases` and the supervisor's total `startup_seconds`. Recorded once, when known."""
+    """tokenspeed:startup_time_seconds{phase} from the engine's start-up phases (EngineReady's figures)
+    and their "total" (the supervisor's startup_seconds). Recorded once, when known."""
 
     def __init__(self, model_name: str, registry: Any = None) -> None:
         self._gauge = build(("startup_time_seconds",), registry)["startup_time_seconds"]
         self._model = model_name
         self.recorded = False
 
-    def record(self, info: dict[str, Any]) -> None:
-        phases = dict(info.get("startup_phases") or {})
-        if "startup_seconds" in info:
-            phases["total"] = info["startup_seconds"]
+    def record(self, phases: dict[str, float]) -> None:
         for phase, seconds in phases.items():
             self._gauge.labels(model_name=self._model, phase=phase).set(float(seconds))
         self.recorded = True
 
 
-def metrics_route(model_name: str, engine_info: Callable[[], dict[str, Any] | None]) -> Route:
-    """The /metrics route; engine_info returns the EngineReady info once the engine is ready."""
+def metrics_route(model_name: str, startup_phases: Callable[[], dict[str, float] | None]) -> Route:
+    """The /metrics route; startup_phases returns the engine's start-up phases once it is ready."""
     startup = StartupMetrics(model_name)
 
     async def metrics(request: Request) -> Response:
-        if not startup.recorded and (info := engine_info()) is not None:
-            startup.record(info)
+        if not startup.recorded and (phases := startup_phases()) is not None:
+            startup.record(phases)
         body, content_type = exposition()
         return Response(body, media_type=content_type)
 

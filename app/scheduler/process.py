@@ -271,7 +271,7 @@ def run_scheduler(settings: Settings, endpoints: Endpoints, replica: int = 0) ->
     )
     supervisor = ipc.connect_push(ctx, endpoints.inbox("supervisor"))
     lifecycle.settle_heap()
-    ipc.send(supervisor, p.ProcessReady(name, os.getpid(), {}))
+    ipc.send(supervisor, p.ProcessReady(name, os.getpid()))
     try:
         loop.run()
     finally:

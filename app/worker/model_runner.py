@@ -37,7 +37,16 @@ from typing import Any
 import torch
 
 from app.config.settings import Settings
-from app.protocol import EngineInfo, NewSeq, SamplingParams, SeqChunk, StepPlan, StepResult, WorkerReady
+from app.protocol import (
+    EngineInfo,
+    NewSeq,
+    SamplingParams,
+    SeqChunk,
+    StartupFigures,
+    StepPlan,
+    StepResult,
+    WorkerReady,
+)
 from app.startup_phases import StartupClock
 from app.worker import graph_capture, memory_plan
 from app.worker.attention import backend_class, build_attention_batch, make_attention_backend
@@ -194,24 +203,24 @@ class ModelRunner:
             max_model_len=self.max_model_len,
             vocab_size=self.vocab_size,
             eos_token_ids=list(self.eos_token_ids),
-            info={
-                "weights_gb": round(self.weights_bytes / 1e9, 3),
-                "kv_pool_tokens": self.pool.tokens,
-                "max_concurrency": round(self.pool.max_concurrency, 2),
-                "load_seconds": round(self.load_seconds, 2),
-                "dtype": str(self.dtype).removeprefix("torch."),
-                "device": str(self.device),
-                "architecture": type(self.model).__name__,
-                "attention_backend": self.attention.name,
-                "decode_kernel": self.attention.decode_kernel_name(),
-                "cuda_graph_sizes": list(self.graphs.sizes) if self.graphs is not None else [],
-                "piecewise_graph_sizes": list(self.pieces.sizes) if self.pieces is not None else [],
-                "pdl": self.pdl,
-                "cuda_graph_gb": round(self._graph_bytes() / 1e9, 3),
-                "quantization": self.quant_scheme.describe() if self.quant_scheme is not None else "none",
-                "kv_cache_dtype": self.kv_quant.describe(),
-                "startup_phases": {phase: round(s, 3) for phase, s in self.clock.seconds.items()},
-            },
+            info=StartupFigures(
+                weights_gb=round(self.weights_bytes / 1e9, 3),
+                kv_pool_tokens=self.pool.tokens,
+                max_concurrency=round(self.pool.max_concurrency, 2),
+                load_seconds=round(self.load_seconds, 2),
+                dtype=str(self.dtype).removeprefix("torch."),
+                device=str(self.device),
+                architecture=type(self.model).__name__,
+                attention_backend=self.attention.name,
+                decode_kernel=self.attention.decode_kernel_name(),
+                cuda_graph_sizes=list(self.graphs.sizes) if self.graphs is not None else [],
+                piecewise_graph_sizes=list(self.pieces.sizes) if self.pieces is not None else [],
+                pdl=self.pdl,
+                cuda_graph_gb=round(self._graph_bytes() / 1e9, 3),
+                quantization=self.quant_scheme.describe() if self.quant_scheme is not None else "none",
+                kv_cache_dtype=self.kv_quant.describe(),
+                startup_phases={phase: round(s, 3) for phase, s in self.clock.seconds.items()},
+            ),
         )
 
     def engine_info(self) -> EngineInfo:

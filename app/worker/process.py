@@ -123,7 +123,7 @@ def run_worker(settings: Settings, endpoints: Endpoints, place: WorkerPlace | No
             else:
                 supervisor = ipc.connect_push(ctx, endpoints.inbox("supervisor"))
                 lifecycle.settle_heap()
-                ipc.send(supervisor, p.ProcessReady(place.name, os.getpid(), {}))
+                ipc.send(supervisor, p.ProcessReady(place.name, os.getpid()))
                 follow_steps(runner, tp, heartbeat)
     finally:
         ctx.destroy(linger=0)
@@ -139,7 +139,7 @@ def _lead(runner, ready: p.WorkerReady, place: WorkerPlace, endpoints: Endpoints
     ipc.send(results, ready)
     supervisor = ipc.connect_push(ctx, endpoints.inbox("supervisor"))
     lifecycle.settle_heap()
-    ipc.send(supervisor, p.ProcessReady(place.name, os.getpid(), dict(ready.info), runner.engine_info()))
+    ipc.send(supervisor, p.ProcessReady(place.name, os.getpid(), ready.info, runner.engine_info()))
     try:
         serve_steps(runner, inbox, results, heartbeat, FaultInjector.from_env(), relay=tp if tp.size > 1 else None)
     finally:

@@ -73,7 +73,7 @@ def run_requests(runner: ModelRunner, prompts: list[list[int]], new: int) -> dic
 def test_float32_greedy_parity(backend: str, arch: str, tmp_path: Path) -> None:
     model_dir = build_tiny_model(arch, tmp_path, seed=2)
     runner = ModelRunner(settings(model_dir, dtype="float32", block_size=4, attention_backend=backend), CUDA)
-    assert runner.ready_message().info["attention_backend"] == backend
+    assert runner.ready_message().info.attention_backend == backend
     assert (runner.graphs is not None) == (backend != "torch")
     runner.warmup()
     prompts = prompts_for(runner.vocab_size, [5, 41, 12])

@@ -214,7 +214,7 @@ def test_fp8_block_checkpoint_on_cuda(tmp_path: Path) -> None:
     ckpt = write_fp8_checkpoint(model_dir, tmp_path / "b", "fp8-block")
     full = ModelRunner(settings(model_dir, block_size=4), CUDA)
     fp8 = ModelRunner(settings(ckpt, block_size=4), CUDA)
-    assert fp8.ready_message().info["quantization"].startswith("fp8 (e4m3 weights: checkpoint FP8, 128x128")
+    assert fp8.ready_message().info.quantization.startswith("fp8 (e4m3 weights: checkpoint FP8, 128x128")
     assert fp8.weights_bytes < full.weights_bytes
     prompts = prompts_for(full.vocab_size, [17, 40])
     got = torch.cat(prefill_logits_cuda(fp8, prompts))
@@ -263,6 +263,6 @@ def test_llama_8b_fp8_weights_take_about_half_the_bytes(tmp_path: Path) -> None:
         CUDA,
     )
     info = runner.ready_message().info
-    assert 8.8 < info["weights_gb"] < 9.4, info
-    assert info["quantization"].startswith("fp8 (e4m3 weights: quantized at load")
+    assert 8.8 < info.weights_gb < 9.4, info
+    assert info.quantization.startswith("fp8 (e4m3 weights: quantized at load")
     runner.warmup()

@@ -100,7 +100,7 @@ def fp8_runner(model_dir: Path, scales: Path, backend: str, **overrides: Any) ->
         CUDA,
     )  # fmt: skip
     assert runner.kv_cache.k[0].dtype == FP8 and runner.kv_cache.k_scales != (1.0,) * len(runner.kv_cache.k)
-    assert runner.ready_message().info["attention_backend"] == backend
+    assert runner.ready_message().info.attention_backend == backend
     return runner
 
 

@@ -68,7 +68,7 @@ def test_cuda_float32_greedy_matches_transformers(arch: str, tmp_path: Path) -> 
 def test_cuda_auto_dtype_is_bfloat16_and_close_to_transformers(tmp_path: Path) -> None:
     model_dir = build_tiny_model("qwen2", tmp_path, seed=3)
     runner = ModelRunner(settings(model_dir), CUDA)
-    assert runner.ready_message().info["dtype"] == "bfloat16"
+    assert runner.ready_message().info.dtype == "bfloat16"
     prompt = prompts_for(runner.vocab_size, [20])[0]
     plan = StepPlan(
         step=0,
@@ -102,9 +102,9 @@ def test_llama_8b_dummy_pool_sizing(tmp_path: Path) -> None:
     free, total = torch.cuda.mem_get_info(CUDA)
     used = total - free
     print(ready, f"used {used / 2**30:.2f} GiB of {total / 2**30:.2f}")
-    assert ready.info["dtype"] == "bfloat16" and 15.5 < ready.info["weights_gb"] < 16.5
+    assert ready.info.dtype == "bfloat16" and 15.5 < ready.info.weights_gb < 16.5
     assert ready.eos_token_ids == [128001, 128008, 128009]
-    assert ready.info["kv_pool_tokens"] > 100_000
+    assert ready.info.kv_pool_tokens > 100_000
     assert used <= total * util + (1 << 30)  # within budget (allowing the context outside torch)
     runner.warmup()
     plan = StepPlan(

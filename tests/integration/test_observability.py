@@ -144,6 +144,26 @@ def test_metrics_count_a_known_workload(app) -> None:
     assert min(bucket_bounds) == 0.001
 
 
+ENGINE_INFO_KEYS = {  # docs/api.md: the worker's start-up figures, then what requests are checked against
+    "weights_gb", "kv_pool_tokens", "max_concurrency", "load_seconds", "dtype", "device", "architecture",
+    "attention_backend", "decode_kernel", "cuda_graph_sizes", "piecewise_graph_sizes", "pdl", "cuda_graph_gb",
+    "quantization", "kv_cache_dtype", "startup_phases",
+    "max_model_len", "vocab_size", "eos_token_ids", "num_blocks", "block_size", "sampling_backend",
+    "max_top_logprobs", "max_token_chars", "served_model_name", "enable_metrics", "startup_seconds",
+}
+
+
+def test_server_info_reports_the_engine_as_metrics_do(app: Appliance) -> None:
+    info = httpx.get(f"{app.base_url}/get_server_info", headers=AUTH, timeout=10).json()["engine_info"]
+    assert set(info) == ENGINE_INFO_KEYS
+    assert (info["kv_pool_tokens"], info["block_size"], info["device"], info["quantization"]) == (4096, BLOCK, "cpu",
+                                                                                                 "none")
+    assert info["architecture"] == "LlamaForCausalLM" and info["attention_backend"] == "torch"
+    phases = {s.labels["phase"]: s.value for s in scrape(app)["tokenspeed:startup_time_seconds"].samples}
+    assert phases == {**info["startup_phases"], "total": info["startup_seconds"]}
+    assert set(info["startup_phases"]) == set(PHASES)  # the supervisor's download and the worker's phases
+
+
 STATS = re.compile(r"Req: (\S+) Finish! RequestStats\((.*)\)$")
 
 

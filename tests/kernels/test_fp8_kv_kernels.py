@@ -188,7 +188,7 @@ def test_runner_on_triton_with_fp8_cache_matches_the_torch_backend(tmp_path: Pat
     for backend in ("triton", "torch"):
         runner = ModelRunner(make_settings(model_dir, attention_backend=backend, max_num_seqs=3,
                                            kv_cache_dtype="fp8", quantization_param_path=str(scales)), CPU)  # fmt: skip
-        assert runner.ready_message().info["attention_backend"] == backend
+        assert runner.ready_message().info.attention_backend == backend
         assert runner.kv_cache.k[0].dtype == FP8 and runner.kv_cache.k_scales == (0.05, 0.1)
         sched = ScriptedScheduler(runner)
         for i, prompt in enumerate(prompts_for(runner.vocab_size, [5, 21])):

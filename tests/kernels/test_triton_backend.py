@@ -105,7 +105,7 @@ def test_graph_pieces_cut_the_backends_own_forward(tmp_path: Path) -> None:
 def test_runner_on_triton_backend_matches_transformers(tmp_path: Path) -> None:
     model_dir = build_tiny_model("qwen3", tmp_path, seed=2, num_hidden_layers=2)
     runner = ModelRunner(make_settings(model_dir, attention_backend="triton", max_num_seqs=3), CPU)
-    assert runner.ready_message().info["attention_backend"] == runner.ready_message().info["decode_kernel"] == "triton"
+    assert runner.ready_message().info.attention_backend == runner.ready_message().info.decode_kernel == "triton"
     prompts = prompts_for(runner.vocab_size, [5, 21])
     sched = ScriptedScheduler(runner)
     for i, prompt in enumerate(prompts):

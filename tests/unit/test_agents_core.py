@@ -37,7 +37,7 @@ def tokenizer():
 def _answer(tokenizer, *, tools: list, stream: bool) -> list:
     core = TokenizerCore(tokenizer, chat_template=AGENT_TEMPLATE, reasoning_parser="kimi_k25",
                          tool_call_parser="kimik2")
-    core.handle(EngineReady({}, EngineInfo(max_model_len=4096, vocab_size=len(tokenizer))))
+    core.handle(EngineReady(engine=EngineInfo(max_model_len=4096, vocab_size=len(tokenizer))))
     req = GenerateRequest("r", SamplingParams(max_new_tokens=200), messages=[{"role": "user", "content": "time?"}],
                           tools=tools, parse_tool_calls=bool(tools), separate_reasoning=True, stream=stream)
     core.handle(req)

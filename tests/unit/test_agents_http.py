@@ -57,7 +57,7 @@ class CoreEngine(FakeEngine):
     def _core(self) -> TokenizerCore:
         core = TokenizerCore(self.tokenizer, chat_template=AGENT_TEMPLATE, reasoning_parser="qwen3",
                              tool_call_parser="qwen")
-        core.handle(EngineReady({}, EngineInfo(max_model_len=2048, vocab_size=len(self.tokenizer), max_top_logprobs=20)))
+        core.handle(EngineReady(engine=EngineInfo(max_model_len=2048, vocab_size=len(self.tokenizer), max_top_logprobs=20)))
         return core
 
     def _run(self, req: GenerateRequest) -> list[TextDelta]:

@@ -148,7 +148,7 @@ def test_quantize_at_load_stores_fp8_with_per_channel_scales(
         assert layer.bias is None or layer.bias.dtype == torch.float32  # biases stay in the model dtype
     assert runner.model.lm_head.weight.dtype == torch.float32  # embeddings and LM head are not quantized
     info = runner.ready_message().info
-    assert info["quantization"].startswith("fp8 (e4m3 weights: quantized at load")
+    assert info.quantization.startswith("fp8 (e4m3 weights: quantized at load")
     check_close_to_unquantized(runner, float_runners["qwen2"], model_dir)
 
 
@@ -160,7 +160,7 @@ def test_fp8_weights_take_half_the_bytes_of_bf16(models: dict[str, Path]) -> Non
     scales = sum(layer.weight_scale.numel() for _, layer in quantized_layers(fp8.model))
     assert bf16.weights_bytes - fp8.weights_bytes == linear_values * (2 - 1) - scales * 4
     for runner in (bf16, fp8):
-        assert runner.ready_message().info["weights_gb"] == round(runner.weights_bytes / 1e9, 3)
+        assert runner.ready_message().info.weights_gb == round(runner.weights_bytes / 1e9, 3)
 
 
 # ---------------------------------------------------------------- checkpoints in each format
@@ -189,7 +189,7 @@ def test_fp8_checkpoint_loads_and_stays_close(
     ckpt = write_fp8_checkpoint(models[model], tmp_path / fmt, fmt, input_amax[model])
     runner = runner_for(ckpt)  # the checkpoint's config.json says what it is
     method = read_config(ckpt)["quantization_config"]["quant_method"]
-    assert runner.ready_message().info["quantization"].startswith(f"{method} (e4m3 weights: checkpoint FP8")
+    assert runner.ready_message().info.quantization.startswith(f"{method} (e4m3 weights: checkpoint FP8")
     check_runtime_matches_checkpoint(runner, ckpt, fmt)
     check_close_to_unquantized(runner, float_runners[model], models[model])
 

@@ -78,8 +78,8 @@ def test_pool_holds_twice_the_bf16_tokens_and_four_times_the_float32_ones(
     assert abs(tokens["fp8"] - 4 * tokens["float32"]) <= 4 * block
     fp8 = pools["fp8"]
     assert fp8.kv_cache.k[0].dtype == FP8_DTYPE and fp8.kv_cache.spec.bytes_per_token == 2 * 3 * 2 * 16
-    assert fp8.ready_message().info["kv_cache_dtype"] == "fp8_e4m3 (scales: default 1.0)"
-    assert fp8.ready_message().info["kv_pool_tokens"] == tokens["fp8"]
+    assert fp8.ready_message().info.kv_cache_dtype == "fp8_e4m3 (scales: default 1.0)"
+    assert fp8.ready_message().info.kv_pool_tokens == tokens["fp8"]
 
 
 # ---------------------------------------------------------------- scales files

@@ -178,7 +178,7 @@ async def test_info_routes() -> None:
                      "weight_version": "w1"}
     assert "sk-very-secret" not in server.text
     info = server.json()
-    assert info["api_key"] == "**********" and info["engine_info"] == {**INFO, **dataclasses.asdict(ENGINE)} and info["port"] == settings().port
+    assert info["api_key"] == "**********" and info["engine_info"] == {**dataclasses.asdict(INFO), **dataclasses.asdict(ENGINE)} and info["port"] == settings().port
     assert version == {"weight_version": "w1"}
     assert update["success"] and update["new_version"] == "w2"
     assert after == {"model_path": MODEL_PATH, "weight_version": "w2"}

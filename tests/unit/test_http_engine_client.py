@@ -72,6 +72,7 @@ async def test_engine_client_over_zmq(tmp_path: Path) -> None:
         await engine_says(EngineReady(INFO, ENGINE))
         await _until(lambda: client.ready)
         assert client.info == INFO and client.engine == ENGINE
+        assert client.startup_phases() == {"weights": 0.5, "total": 1.5}
 
         # a whole request: deltas routed by rid, the stream ends after the terminal one
         seen: list[TextDelta] = []
@@ -165,7 +166,7 @@ def child(tmp_path: Path) -> Iterator[tuple[Peers, multiprocessing.Process, str]
     try:
         ready = peers.recv(peers.supervisor)
         assert isinstance(ready, ProcessReady) and ready.name == "http" and ready.pid == proc.pid
-        yield peers, proc, f"http://127.0.0.1:{ready.info['port']}"
+        yield peers, proc, f"http://127.0.0.1:{ready.port}"
     finally:
         if proc.is_alive():
             proc.kill()

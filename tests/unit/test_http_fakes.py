@@ -28,6 +28,7 @@ from app.protocol import (
     EngineInfo,
     EngineReady,
     GenerateRequest,
+    StartupFigures,
     TextDelta,
     TextDeltas,
     TokenLogprobs,
@@ -38,9 +39,9 @@ from tests.support.threaded_server import ThreadedServer
 MODEL = "tiny-model"
 MODEL_PATH = "/models/tiny"
 VOCAB = 512
-INFO = {"weights_gb": 0.001, "startup_seconds": 1.5}  # the start-up figures of EngineReady.info
+INFO = StartupFigures(weights_gb=0.001, kv_pool_tokens=1024, startup_phases={"weights": 0.5})  # EngineReady.info
 ENGINE = EngineInfo(max_model_len=2048, vocab_size=VOCAB, eos_token_ids=[2], num_blocks=64, block_size=16,
-                    max_top_logprobs=20)
+                    max_top_logprobs=20, startup_seconds=1.5)
 PIECES = ["Hello", " world", ",", " how", " are", " you", "?"]
 
 Script = Callable[[GenerateRequest], list[TextDelta] | None]
@@ -137,7 +138,7 @@ class FakeEngine(BaseEngineClient):
             self.become_ready()
 
     def become_ready(self, engine: EngineInfo | None = None) -> None:
-        self._dispatch(EngineReady(dict(INFO), engine or ENGINE))
+        self._dispatch(EngineReady(INFO, engine or ENGINE))
 
     def _send(self, msg: Any) -> None:
         msg = protocol.decode(protocol.encode(msg))  # what the tokenizer would receive over the wire

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from app.config import Settings
 from app.protocol import NewSeq, SamplingParams, SeqChunk, StepPlan, StepResult
+from app.startup_phases import PHASES
 from app.worker.kv_cache import GIB, KVPoolError, cpu_pool_tokens, cuda_pool_bytes, finish_pool
 from app.worker.memory_plan import profile_step
 from app.worker.model_runner import ModelRunner
@@ -308,10 +309,11 @@ def test_ready_message(runner: ModelRunner) -> None:
     assert (ready.rank, ready.block_size, ready.max_model_len) == (0, 4, 512)
     assert ready.num_blocks == 4096 // 4  # --max-total-tokens
     assert ready.vocab_size == runner.config.vocab_size and ready.eos_token_ids == [2]
-    assert ready.info["kv_pool_tokens"] == 4096 and ready.info["dtype"] == "float32"
-    assert ready.info["device"] == "cpu" and ready.info["weights_gb"] >= 0
-    assert ready.info["attention_backend"] == ready.info["decode_kernel"] == "torch"
-    assert {"load_seconds", "max_concurrency"} <= set(ready.info)
+    assert ready.info.kv_pool_tokens == 4096 and ready.info.dtype == "float32"
+    assert ready.info.device == "cpu" and ready.info.weights_gb >= 0
+    assert ready.info.attention_backend == ready.info.decode_kernel == "torch"
+    assert ready.info.load_seconds >= 0 and ready.info.max_concurrency == 4096 / 512
+    assert set(ready.info.startup_phases) <= set(PHASES) and ready.info.quantization == "none"
 
 
 def test_cpu_pool_defaults_and_limits(llama_dir: Path) -> None:

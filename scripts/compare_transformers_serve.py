@@ -53,6 +53,7 @@ class Server:
     cmd: list[str]
     port: int
     log_path: Path
+    ready_path: str = "/v1/models"  # answers 200 once requests are served
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen | None = None
 
@@ -72,7 +73,7 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log_path}")
             try:
-                if httpx.get(f"{self.base_url}/v1/models", timeout=2).status_code == 200:
+                if httpx.get(f"{self.base_url}{self.ready_path}", timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -143,13 +144,13 @@ def ensure_peer(venv: Path) -> Path:
 def appliance(model: Path, port: int, log_dir: Path, extra: list[str]) -> Server:
     cmd = [sys.executable, "-m", "app.cli", "serve", "--config", RECIPE, "--model", str(model),
            "--served-model-name", "model", "--port", str(port), "--host", "127.0.0.1", *extra]
-    return Server("tokenspeed", cmd, port, log_dir / "tokenspeed.log")
+    return Server("tokenspeed", cmd, port, log_dir / "tokenspeed.log", ready_path="/readiness")
 
 
 def peer(exe: Path, model: Path, port: int, log_dir: Path) -> Server:
     cmd = [str(exe), "serve", str(model), "--continuous-batching", "--dtype", "bfloat16", "--device", "cpu",
            "--host", "127.0.0.1", "--port", str(port)]
-    return Server("transformers", cmd, port, log_dir / "transformers.log", {"HF_HUB_OFFLINE": "1"})
+    return Server("transformers", cmd, port, log_dir / "transformers.log", env={"HF_HUB_OFFLINE": "1"})
 
 
 def load_args(server: Server, model: str, streams: int, args: argparse.Namespace) -> argparse.Namespace:

@@ -147,10 +147,14 @@ def appliance(model: Path, port: int, log_dir: Path, extra: list[str]) -> Server
     return Server("tokenspeed", cmd, port, log_dir / "tokenspeed.log", ready_path="/readiness")
 
 
-def peer(exe: Path, model: Path, port: int, log_dir: Path) -> Server:
+def peer(exe: Path, model: Path, port: int, log_dir: Path, threads: int | None) -> Server:
+    # The paged cache sized as the default recipe's pool (8192 tokens in blocks of 16, 2048 tokens a step):
+    # left to itself, continuous batching took 13.8 GB of host memory for its cache on a 24 GB machine.
     cmd = [str(exe), "serve", str(model), "--continuous-batching", "--dtype", "bfloat16", "--device", "cpu",
+           "--cb-block-size", "16", "--cb-num-blocks", "512", "--cb-max-batch-tokens", "2048",
            "--host", "127.0.0.1", "--port", str(port)]
-    return Server("transformers", cmd, port, log_dir / "transformers.log", env={"HF_HUB_OFFLINE": "1"})
+    env = {"HF_HUB_OFFLINE": "1", **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+    return Server("transformers", cmd, port, log_dir / "transformers.log", env=env)
 
 
 def load_args(server: Server, model: str, streams: int, args: argparse.Namespace) -> argparse.Namespace:
@@ -212,6 +216,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument("--log-dir", type=Path, default=Path("compare-logs"))
     parser.add_argument("--json", type=Path, default=Path("compare_transformers_serve.json"))
     parser.add_argument("--ready-timeout", type=float, default=600)
+    parser.add_argument("--peer-threads", type=int, default=None,
+                        help="OMP_NUM_THREADS for the peer (default: torch's, every core); on a host loaded by "
+                        "other work, its spinning threads can make it many times slower than with one")
     return parser.parse_args(argv), extra
 
 
@@ -220,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     args.log_dir.mkdir(parents=True, exist_ok=True)
     model = args.model_dir.expanduser()
     servers = [appliance(model, free_port(), args.log_dir, extra),
-               peer(ensure_peer(args.peer_venv), model, free_port(), args.log_dir)]
+               peer(ensure_peer(args.peer_venv), model, free_port(), args.log_dir, args.peer_threads)]
     runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
     try:
         for server in servers:  # one at a time: start-up is the heaviest part of either
@@ -253,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         row["ratio"] = row["tokenspeed"]["output_tok_s"] / row["transformers"]["output_tok_s"]
         rows.append(row)
     report = {"model": str(model), "input_len": args.input_len, "output_len": args.output_len,
-              "rounds": args.rounds, "appliance_args": extra, "peer_packages": list(PEER_PACKAGES),
+              "rounds": args.rounds, "appliance_args": extra, "peer_threads": args.peer_threads, "peer_packages": list(PEER_PACKAGES),
               "cpu_count": os.cpu_count(), "load_average": os.getloadavg(), "rows": rows}
     args.json.write_text(json.dumps(report, indent=2) + "\n")
     print(table(rows))

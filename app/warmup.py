@@ -2,7 +2,7 @@
 kernel caches, so that `serve` compiles nothing.
 
 It runs one worker's start-up in this process (dummy weights: kernels depend on shapes, not values) with
-flashinfer's JIT builds allowed, which `serve` never does (app/worker/model_runner.py): flashinfer's
+flashinfer's JIT builds allowed, which `serve` never does (app/worker/attention/selection.py): flashinfer's
 attention kernels land in FLASHINFER_WORKSPACE_BASE (nvcc needed), and every Triton kernel that the
 memory profile, the CUDA-graph captures and the warm-up step launch lands in TRITON_CACHE_DIR. Run it
 where the caches live (the kernel-cache volume) on the GPU model that will serve.
@@ -20,6 +20,7 @@ from pathlib import Path
 from app import lifecycle, model_files
 from app.config.cli_args import build_parser, parse_command_line
 from app.config.loader import resolve
+from app.config.settings import Settings
 
 PROG = "tokenspeed warmup"
 log = logging.getLogger("tokenspeed.warmup")
@@ -50,7 +51,7 @@ def run(argv: Sequence[str]) -> int:
     return 0
 
 
-def _build(settings) -> dict[str, float]:
+def _build(settings: Settings) -> dict[str, float]:
     import torch
 
     from app.startup_phases import StartupClock

@@ -14,13 +14,16 @@ written in stream order, so a later launch may rewrite a slot's rows (released a
 while an earlier step still runs; what finish() needs from the host side is captured in the
 PendingStep.
 
-A plan is validated in full before anything changes, so a refused plan leaves no trace; releasing
-a slot that holds nothing is a no-op (after a failed step the scheduler frees its sequences). What
-concerns one sequence only (sampling parameters its sampler cannot honour, token ids outside the
-vocabulary) refuses that sequence alone: it is left out of the step (released, if it held a slot),
-reported in StepResult.failed_slots, and its chunks in later plans (planned before the scheduler
-heard) are skipped until the scheduler frees its slot. The step's other rows are computed exactly
-as without it: rows are independent, so their tokens do not change.
+A plan is validated in full before anything changes (app/worker/plan_checks.py), so a refused plan
+leaves no trace; releasing a slot that holds nothing is a no-op (after a failed step the scheduler
+frees its sequences). A sequence refused alone is left out of the step (released, if it held a
+slot), reported in StepResult.failed_slots, and its chunks in later plans (planned before the
+scheduler heard) are skipped until the scheduler frees its slot. The step's other rows are computed
+exactly as without it: rows are independent, so their tokens do not change.
+
+Start-up reads top to bottom in __init__; each of its jobs is a module of its own: the model
+(model_setup.py), the attention backend (attention/selection.py), the KV pool (memory_plan.py), the
+CUDA graphs (graph_capture.py).
 """
 
 from __future__ import annotations
@@ -28,154 +31,39 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
-import numpy as np
 import torch
 
-from app.protocol import (
-    EngineInfo,
-    NewSeq,
-    SamplingParams,
-    SeqChunk,
-    StepPlan,
-    StepResult,
-    TokenLogprobs,
-    WorkerReady,
-)
+from app.config.settings import Settings
+from app.protocol import EngineInfo, NewSeq, SamplingParams, SeqChunk, StepPlan, StepResult, WorkerReady
 from app.startup_phases import StartupClock
-from app.worker.attention import (
-    backend_class,
-    build_attention_batch,
-    make_attention_backend,
-    resolve_attention_backend,
-)
-from app.worker.cuda_graphs import CapturedSizes, DecodeGraphs, PlanFence, capture_sizes
-from app.worker.kv_cache import (
-    GIB,
-    KVCache,
-    PoolPlan,
-    cpu_pool_tokens,
-    cuda_pool_bytes,
-    finish_pool,
-)
-from app.worker.loader import (
-    eos_token_ids,
-    load_hf_config,
-    load_weights,
-    resolve_dtype,
-    resolve_max_model_len,
-    resolve_model_path,
-)
-from app.worker.models import DenseCausalLM, model_class_for
+from app.worker import graph_capture, memory_plan
+from app.worker.attention import build_attention_batch, make_attention_backend
+from app.worker.attention.selection import choose_backend, configure_pdl
+from app.worker.cuda_graphs import PlanFence
+from app.worker.kv_cache import GIB, KVCache
+from app.worker.memory_plan import MAX_TOP_LOGPROBS, Workload
+from app.worker.model_setup import build_model, resolve_model
 from app.worker.parallel import SINGLE, TensorParallel
-from app.worker.piecewise_graphs import DEFAULT_MAX_TOKENS, PiecewiseGraphs, bucket_sizes
-from app.worker.quantization import (
-    Fp8LinearMethod,
-    fp8_kv_backend,
-    resolve_kv_cache_quant,
-    resolve_quantization,
-)
-from app.worker.sampling import SamplerOutput, make_sampler
-from app.worker.sampling.grammar import Deferred, GrammarRows
-from app.worker.sampling.logprobs import DeviceLogprobs
-from app.worker.sampling.prompt_logprobs import PromptLogprobs, PromptRows, PromptWant
+from app.worker.plan_checks import PlanChecks
+from app.worker.readback import PendingStep, host_tokens, start_readback, step_result
+from app.worker.sampling import make_sampler
+from app.worker.sampling.grammar import GrammarRows
+from app.worker.sampling.prompt_logprobs import PromptLogprobs, PromptWant
+from app.worker.slot_state import SlotState
+from app.worker.step_batch import StepBatch, lay_out
 from app.worker.transfer import upload
 
 logger = logging.getLogger(__name__)
 
-# Headroom for what the profile cannot see: the caching allocator fragments further as step shapes vary
-# (measured: ~0.7 GiB beyond the profiled peak for Llama-3.1-8B shapes on an H200).
-CUDA_RESERVE_BYTES = 1 << 30
-# Per-graph bookkeeping the graph-memory profile cannot see (graph objects, small per-size buffers).
-GRAPH_OVERHEAD_BYTES = 64 << 20
-# The most top logprobs a position reports: what the memory profile's heaviest sampling covers.
-MAX_TOP_LOGPROBS = 20
-
-
-class PlanError(ValueError):
-    """The plan does not fit the worker's state (unknown slot, token outside the vocabulary, ...)."""
-
-
-class SlotState:
-    """Per-slot sequence state. Host lists drive planning and validation; the device tensors (block
-    tables, lengths, last sampled token) are what kernels read, written only where a plan changed them."""
-
-    def __init__(self, max_slots: int, max_blocks: int, device: torch.device) -> None:
-        self.max_slots = max_slots
-        self.max_blocks = max_blocks
-        self.active = [False] * max_slots
-        self.has_token = [False] * max_slots  # a sampled token is waiting to be fed (decode)
-        self.seq_len = [0] * max_slots
-        self.num_blocks = [0] * max_slots
-        self.block_tables = torch.zeros(max_slots, max_blocks, dtype=torch.int32, device=device)
-        self.seq_lens = torch.zeros(max_slots, dtype=torch.int32, device=device)
-        self.last_token = torch.zeros(max_slots, dtype=torch.int64, device=device)
-        self.device = device
-
-    def write_blocks(self, writes: list[tuple[int, int, list[int]]]) -> None:
-        """Apply (slot, first column, block ids) writes to the device block tables in one scatter."""
-        rows: list[int] = []
-        cols: list[int] = []
-        vals: list[int] = []
-        for slot, first, ids in writes:
-            rows += [slot] * len(ids)
-            cols += range(first, first + len(ids))
-            vals += ids
-        if vals:
-            dev = upload([rows, cols, vals], torch.int64, self.device)
-            self.block_tables.index_put_((dev[0], dev[1]), dev[2].to(torch.int32))
-
-    def set_lengths(self, slots: list[int], lengths: list[int]) -> None:
-        for slot, length in zip(slots, lengths, strict=True):
-            self.seq_len[slot] = length
-        if slots:
-            dev = upload([slots, lengths], torch.int64, self.device)
-            self.seq_lens.index_copy_(0, dev[0], dev[1].to(torch.int32))
-
-    def release(self, slot: int) -> None:
-        self.active[slot] = self.has_token[slot] = False
-        self.seq_len[slot] = self.num_blocks[slot] = 0
-
-
-@dataclass
-class _Step:
-    """The host-side layout of one step's flat batch."""
-
-    slots: list[int] = field(default_factory=list)
-    query_lens: list[int] = field(default_factory=list)
-    seq_lens: list[int] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)  # decode rows hold a placeholder
-    decode_rows: list[int] = field(default_factory=list)
-    decode_slots: list[int] = field(default_factory=list)
-    sample_rows: list[int] = field(default_factory=list)
-    sample_slots: list[int] = field(default_factory=list)
-    prompt: PromptRows = field(default_factory=PromptRows)  # rows whose prompt logprobs are asked
-
-
-@dataclass
-class PendingStep:
-    """A launched step: its device work is queued and its results are being copied to the host.
-    It holds all that finish() reads, so later launches may change the runner's state freely."""
-
-    step: int
-    slots: list[int] = field(default_factory=list)  # the slots that sampled, in row order
-    readback: torch.Tensor | None = None  # host int64 [sampled ids, bad-row flags]; None: none sampled
-    logprobs: DeviceLogprobs | None = None
-    logprobs_host: torch.Tensor | None = None  # host copy of logprobs.packed
-    copied: torch.cuda.Event | None = None  # recorded after the copies (CUDA); None: already on the host
-    failed: dict[int, str] = field(default_factory=dict)  # sequences refused at launch: slot -> why
-    grammar: Deferred | None = None  # constrained rows whose matchers await these tokens
-    prompt: PromptLogprobs | None = None  # prompt logprobs computed in this step (TP leader)
-
-    def ready(self) -> bool:
-        """Whether finish() would return without waiting for the device."""
-        return self.copied is None or self.copied.query()
-
 
 class ModelRunner:
-    def __init__(self, settings: Any, device: torch.device, tp: TensorParallel = SINGLE,
+    """Start-up (model, attention backend, KV pool, CUDA graphs, each from its own module), then one
+    StepPlan at a time: launch() and finish()."""
+
+    def __init__(self, settings: Settings, device: torch.device, tp: TensorParallel = SINGLE,
                  clock: StartupClock | None = None, build_kernels: bool = False) -> None:
         self.settings = settings
         self.device = torch.device(device)
@@ -189,86 +77,58 @@ class ModelRunner:
             if self.device.index is None:  # "cuda": the current device, named (set_device needs an index)
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
-        self.pdl = self._configure_pdl()
-        model_dir = resolve_model_path(
-            settings.model,
-            settings.load_format,
-            settings.revision,
-            settings.download_dir,
-            settings.trust_remote_code,
+        self.pdl = configure_pdl(settings.enable_pdl, self.device, tp)
+        setup = resolve_model(settings, self.device, tp)
+        self.model_dir, self.config, self.dtype = setup.model_dir, setup.config, setup.dtype
+        self.quant_scheme, self.kv_quant, self.kv_dtype = setup.quant_scheme, setup.kv_quant, setup.kv_dtype
+        self.max_model_len, self.vocab_size, self.eos_token_ids = (
+            setup.max_model_len, setup.vocab_size, setup.eos_token_ids
         )
-        self.model_dir = model_dir  # a root weight updates from disk may read below
-        self.config = load_hf_config(model_dir, settings.hf_overrides, settings.trust_remote_code)
-        self.dtype = resolve_dtype(settings.dtype, self.config, self.device)
-        # FP8 weights and KV cache (getattr: the GPU tests' plain settings may leave these out).
-        self.quant_scheme = resolve_quantization(getattr(settings, "quantization", None), self.config)
-        if tp.size > 1 and self.quant_scheme is not None and self.quant_scheme.block is not None:
-            raise ValueError(
-                "block-scaled FP8 checkpoints with --tensor-parallel-size > 1 are not supported yet (each rank "
-                "would need its own slice of the 128x128 scale tiles); per-tensor and per-channel FP8 "
-                "checkpoints and --quantization fp8 on a bf16 checkpoint work with tensor parallelism"
-            )
-        self.kv_quant = resolve_kv_cache_quant(
-            getattr(settings, "kv_cache_dtype", "auto"),
-            getattr(settings, "kv_cache_quant_method", "none"),
-            getattr(settings, "quantization_param_path", None),
-            int(self.config.num_hidden_layers),
-        )
-        self.kv_dtype = self.kv_quant.storage_dtype(self.dtype)
-        self.max_model_len = resolve_max_model_len(settings.max_model_len, self.config)
         self.block_size = _positive("block_size", settings.block_size)
         self.max_num_seqs = _positive("max_num_seqs", settings.max_num_seqs)
-        self.vocab_size = int(self.config.vocab_size)
-        self.eos_token_ids = eos_token_ids(self.config, model_dir)
-        self.model = self._build_model(model_dir)
+        self.model, self.weights_bytes = build_model(setup, self.device, tp, settings.load_format,
+                                                     self.clock.progress)
         self.load_seconds = time.perf_counter() - started
-        self.sampler = make_sampler(
-            settings.sampling_backend,
-            self.vocab_size,
-            self.eos_token_ids,
-            self.device,
-            self.max_num_seqs,
-            seed=settings.seed,
-        )
+        self.sampler = make_sampler(settings.sampling_backend, self.vocab_size, self.eos_token_ids, self.device,
+                                    self.max_num_seqs, seed=settings.seed)
         # Structured output (sampling/grammar.py): matchers live where the tokens are sampled, the TP leader.
         self.grammar = GrammarRows(self._grammar_info, self.vocab_size, self.device, self.max_num_seqs)
         self.clock.enter("kernels")
-        self.attention_backend_name = resolve_attention_backend(
-            settings.attention_backend, self.device, self.dtype, self.model.attention_spec.head_dim
+        self.attention_backend_name = choose_backend(
+            settings.attention_backend, self.device, self.dtype, self.model.attention_spec, self.kv_dtype,
+            self.kv_quant.quantized, self.block_size, tp, build_kernels,
         )
-        if self.kv_quant.quantized and settings.attention_backend is None:
-            self.attention_backend_name = fp8_kv_backend(
-                self.attention_backend_name, backend_class(self.attention_backend_name)
-            )
-        if self.attention_backend_name == "flashinfer" and settings.attention_backend is None:
-            self.attention_backend_name = self._flashinfer_or_triton()
-        self.graph_sizes = self._graph_sizes()
-        self.piece_sizes = self._piece_sizes()
-        self.graph_reserve_bytes = 0
+        self.workload = Workload(
+            self.model, self.attention_backend_name, self.dtype, self.kv_dtype, self.device, self.block_size,
+            self.max_model_len, self.max_num_seqs, memory_plan.step_tokens(settings), self.vocab_size,
+        )
+        self.graph_sizes = graph_capture.decode_graph_sizes(settings, self.device, self.attention_backend_name,
+                                                            self.max_num_seqs)
+        self.piece_sizes = graph_capture.piece_sizes(
+            settings, self.graph_sizes, self.attention_backend_name, tp, self.workload.max_step_tokens
+        )
         self.clock.enter("memory_profile")
-        self.pool = self._agree_pool(self._size_pool())
+        pool, self.graph_reserve_bytes = memory_plan.size_pool(
+            self.workload, self.sampler, settings.max_total_tokens, settings.gpu_memory_utilization,
+            lambda: graph_capture.profile_graph_bytes(self.workload, self.graph_sizes, self.piece_sizes),
+        )
+        self.pool = memory_plan.agree_pool(pool, tp)
         # One block beyond the scheduler's pool: the scratch block that CUDA-graph pad rows write to.
         self.scratch_block = self.pool.num_blocks
-        self.kv_cache = KVCache(
-            self.model.kv_cache_spec(self.kv_dtype),
-            self.pool.num_blocks + 1,
-            self.block_size,
-            self.device,
-            self.kv_quant.k_scales,
-            self.kv_quant.v_scales,
-        )
-        self.attention = make_attention_backend(
-            self.attention_backend_name, self.kv_cache, self.model.attention_spec
-        )
-        self.slots = SlotState(
-            self.max_num_seqs, math.ceil(self.max_model_len / self.block_size), self.device
-        )
+        self.kv_cache = KVCache(self.model.kv_cache_spec(self.kv_dtype), self.pool.num_blocks + 1, self.block_size,
+                                self.device, self.kv_quant.k_scales, self.kv_quant.v_scales)
+        self.attention = make_attention_backend(self.attention_backend_name, self.kv_cache, self.model.attention_spec)
+        self.slots = SlotState(self.max_num_seqs, math.ceil(self.max_model_len / self.block_size), self.device)
         self._refused: set[int] = set()  # slots whose sequence was refused, until the scheduler frees them
         self._prompt_want: dict[int, PromptWant] = {}  # slots whose prompt logprobs are asked
+        self.checks = PlanChecks(self.slots, self.pool.num_blocks, self.block_size, self.max_model_len,
+                                 self.vocab_size, self.sampler.validate)
         self.clock.enter("graph_capture")
-        self.graphs = self._capture_graphs()
-        self.pieces = self._capture_pieces()
-        self._check_graph_memory()
+        self.graphs = graph_capture.capture_decode_graphs(
+            self.workload, self.attention, self.graph_sizes, self.slots.max_blocks, self.scratch_block
+        )
+        self.pieces = graph_capture.capture_pieces(self.workload, self.attention, self.piece_sizes, self.scratch_block)
+        graph_capture.check_graph_memory(self._graph_bytes(), self.graph_reserve_bytes)
         self.plan_fence = PlanFence(self.device)  # eager steps' attention plans (graphs keep their own)
         logger.info(
             "start-up: weights %.2f GiB, CUDA graphs %.2f GiB, KV pool %d tokens (%d blocks of %d, %.2f GiB); "
@@ -285,323 +145,8 @@ class ModelRunner:
             self.attention.decode_kernel_name(),
         )
 
-    # ------------------------------------------------------------------ start-up
-
-    def _configure_pdl(self) -> bool:
-        """Programmatic dependent launch for the decode-path Triton kernels (--enable-pdl): on one GPU of
-        compute capability 9.0 or newer with a Triton that has it (3.4+); a process-wide switch, set
-        before any kernel is compiled or captured. On the H200 it takes 0 to 5% off a batch-1 step, 3 to 9%
-        with FP8 weights: each kernel's launch overlaps the end of the one before."""
-        if self.device.type != "cuda":
-            return False
-        from tokenspeed_kernels.common import PDL_AVAILABLE, set_pdl
-
-        wanted = getattr(self.settings, "enable_pdl", True)
-        usable = PDL_AVAILABLE and self.tp.size == 1 and torch.cuda.get_device_capability(self.device) >= (9, 0)
-        set_pdl(wanted and usable)
-        if wanted and not usable:
-            logger.info("programmatic dependent launch off: it needs one GPU of compute capability 9.0+ and "
-                        "Triton 3.4+")
-        return wanted and usable
-
-    def _flashinfer_or_triton(self) -> str:
-        """The default flashinfer backend only if its kernels are in the JIT cache (a start compiles nothing:
-        a build takes minutes; `tokenspeed warmup` builds them, with build_kernels); else triton, said in the
-        log. An explicit --attention-backend flashinfer builds what it lacks, or fails."""
-        from app.worker.attention.flashinfer_backend import kernels_unavailable
-
-        problem = kernels_unavailable(self.model.attention_spec, self.kv_dtype, self.device, self.block_size,
-                                      build=self.build_kernels)
-        if not self.tp.failed_ranks(problem is None):  # TP ranks agree on one backend
-            return "flashinfer"
-        logger.warning("flashinfer's attention kernels are not in its JIT cache or cannot be loaded on every rank "
-                       "(here: %s): using the triton backend; `tokenspeed warmup` builds them into the cache "
-                       "(docs/deploy.md)", problem or "fine")
-        return "triton"
-
-    def _build_model(self, model_dir: Any) -> DenseCausalLM:
-        cls = model_class_for(self.config)
-        with torch.device(self.device):
-            quant = Fp8LinearMethod(self.quant_scheme) if self.quant_scheme is not None else None
-            model = cls(self.config, self.dtype, self.max_model_len, quant=quant, tp=self.tp)
-        model.to(self.device)  # the RoPE tables are built on the CPU
-        fmt = load_weights(model, model_dir, self.settings.load_format, self.clock.progress)
-        model.eval()
-        self.weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        logger.info(
-            "loaded %s (%s weights, %s, %.3f GB) on %s; quantization: %s; KV cache: %s",
-            cls.__name__,
-            fmt,
-            str(self.dtype).removeprefix("torch."),
-            self.weights_bytes / 1e9,
-            self.device,
-            self.quant_scheme.describe() if self.quant_scheme is not None else "none",
-            self.kv_quant.describe(),
-        )
-        return model
-
-    def _size_pool(self) -> PoolPlan:
-        bytes_per_token = self.model.kv_cache_spec(self.kv_dtype).bytes_per_token
-        max_total = self.settings.max_total_tokens
-        if self.device.type == "cuda":
-            tokens, why = self._cuda_pool_tokens(bytes_per_token)
-            if max_total is not None and max_total < tokens:
-                tokens, why = max_total, f"--max-total-tokens {max_total}"
-        elif self.device.type == "cpu":
-            import psutil  # CPU sizing only; the GPU image need not carry it
-
-            tokens, why = cpu_pool_tokens(
-                bytes_per_token,
-                self.max_num_seqs,
-                self.max_model_len,
-                max_total,
-                psutil.virtual_memory().available,
-            )
-        else:
-            raise ValueError(f"device type {self.device.type!r} is not supported (cpu or cuda)")
-        return finish_pool(tokens, self.block_size, self.max_model_len, bytes_per_token, why)
-
-    def _agree_pool(self, plan: PoolPlan) -> PoolPlan:
-        """Every TP rank holds the same blocks for the same sequences: the smallest pool any rank can hold."""
-        blocks = self.tp.min_int(plan.num_blocks)
-        if blocks == plan.num_blocks:
-            return plan
-        logger.info("KV pool: %d blocks here, %d on the smallest tensor-parallel rank; using %d",
-                    plan.num_blocks, blocks, blocks)
-        return replace(plan, num_blocks=blocks)
-
-    def _cuda_pool_tokens(self, bytes_per_token: int) -> tuple[int, str]:
-        """Profile the largest step, then give the KV cache what the utilization budget leaves."""
-        dev = self.device
-        torch.cuda.synchronize(dev)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(dev)
-        static = torch.cuda.memory_allocated(dev)  # weights, RoPE tables, sampler state
-        static_reserved = torch.cuda.memory_reserved(dev)
-        profile_kv = self._profile_step()
-        torch.cuda.synchronize(dev)
-        # The allocator's cached segments outgrow the live tensors (fragmentation): count the larger.
-        peak = max(
-            torch.cuda.max_memory_allocated(dev) - static,
-            torch.cuda.max_memory_reserved(dev) - static_reserved,
-        )
-        peak -= profile_kv
-        self.graph_reserve_bytes = self._profile_graph_bytes()
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(dev)
-        non_torch = max(total - free - torch.cuda.memory_reserved(dev), 0)
-        util = self.settings.gpu_memory_utilization
-        graphs = self.graph_reserve_bytes
-        kv_bytes = cuda_pool_bytes(total, util, static, peak + graphs, non_torch, CUDA_RESERVE_BYTES)
-        summary = (
-            f"total {total / GIB:.2f} GiB x {util}; weights+state {static / GIB:.2f} GiB, activation peak "
-            f"{peak / GIB:.2f} GiB, CUDA graphs {graphs / GIB:.2f} GiB, outside torch {non_torch / GIB:.2f} GiB, "
-            f"reserve {CUDA_RESERVE_BYTES / GIB:.2f} GiB"
-        )
-        logger.info("memory: %s -> KV %.2f GiB", summary, kv_bytes / GIB)
-        return max(kv_bytes, 0) // bytes_per_token, f"--gpu-memory-utilization {util}: {summary}"
-
-    def _profile_tokens(self) -> int:
-        chunk = self.settings.chunked_prefill_size
-        return chunk if chunk is not None and chunk > 0 else self.settings.max_prefill_tokens
-
-    def _profile_step(self) -> int:
-        """One forward + sample of the largest step on a throwaway KV cache. The step's tokens go to
-        single-token decodes plus as few long chunks as max_model_len allows, so that max_num_seqs
-        rows sample (the sampler peak), and every sequence sits at max_model_len context (the
-        attention peak). The sequences share one block table: what they read is irrelevant here.
-        Returns the bytes of that temporary cache (not activation memory)."""
-        total = max(self._profile_tokens(), 1)
-        num_decodes = min(self.max_num_seqs, total) - 1
-        chunks = _split(total - num_decodes, self.max_model_len)
-        decodes = [1] * min(num_decodes, max(self.max_num_seqs - len(chunks), 0))
-        # Decodes first, as the scheduler orders a step (a backend may run them apart from the chunks).
-        query_lens = (decodes + chunks)[: self.max_num_seqs]
-        seq_lens = [self.max_model_len] * len(query_lens)
-        num_blocks = math.ceil(self.max_model_len / self.block_size)
-        cache = KVCache(self.model.kv_cache_spec(self.kv_dtype), num_blocks, self.block_size, self.device)
-        backend = make_attention_backend(self.attention_backend_name, cache, self.model.attention_spec)
-        row = torch.arange(num_blocks, dtype=torch.int32, device=self.device)
-        table = row.repeat(len(query_lens), 1)
-        slots = list(range(len(query_lens)))
-        params = self._profile_params()
-        for slot in slots:
-            self.sampler.add_seq(slot, f"profile-{slot}", params, [0], [])
-        try:
-            with torch.no_grad():
-                batch = build_attention_batch(table, query_lens, seq_lens, self.block_size)
-                input_ids = torch.zeros(batch.num_tokens, dtype=torch.int64, device=self.device)
-                hidden = self.model(input_ids, batch.positions, backend.plan(batch))
-                last_rows = torch.tensor(batch.query_start_loc[1:], device=self.device) - 1
-                self.sampler.sample(self.model.compute_logits(hidden.index_select(0, last_rows)), slots)
-        finally:
-            for slot in slots:
-                self.sampler.remove_seq(slot)
-        return cache.nbytes
-
-    # ------------------------------------------------------------------ CUDA graphs
-
-    def _graph_sizes(self) -> list[int]:
-        """Decode batch sizes to capture; none on the CPU, with --enforce-eager, or with a backend that
-        cannot be captured (torch)."""
-        s = self.settings
-        if self.device.type != "cuda" or getattr(s, "enforce_eager", False):
-            return []
-        if not backend_class(self.attention_backend_name).supports_cuda_graphs:
-            logger.info("CUDA graphs off: the %s attention backend runs eagerly", self.attention_backend_name)
-            return []
-        return capture_sizes(
-            getattr(s, "cudagraph_capture_sizes", None),
-            getattr(s, "max_cudagraph_capture_size", None),
-            self.max_num_seqs,
-        )
-
-    def _piece_sizes(self) -> list[int]:
-        """Token buckets of the piecewise graphs for prefill and mixed steps: with the decode graphs, on
-        one GPU (a TP group would capture its collectives in every piece: not built), for a backend
-        that attends apart from its KV write."""
-        if not self.graph_sizes or self.tp.size > 1:
-            return []
-        if not backend_class(self.attention_backend_name).supports_piecewise_graphs:
-            return []
-        limit = getattr(self.settings, "piecewise_cuda_graph_max_tokens", DEFAULT_MAX_TOKENS)
-        return bucket_sizes(min(limit, self._profile_tokens()))
-
-    def _profile_graph_bytes(self) -> int:
-        """Memory the CUDA graphs will take, measured before the pool is sized (they are captured after
-        it, over the real KV cache): see _profile_decode_graph_bytes and _profile_piece_bytes."""
-        return self._profile_decode_graph_bytes() + self._profile_piece_bytes()
-
-    def _profile_piece_bytes(self) -> int:
-        """The piecewise graphs' pool: twice an eager forward of the largest bucket (buckets never run at
-        once, so they share it, but the captures fragment it: 0.62 GiB at 2048 tokens of the 8B model,
-        about twice the eager peak); their static buffers come on top."""
-        if not self.piece_sizes:
-            return 0
-        dev, size = self.device, max(self.piece_sizes)
-        query_lens = _split(size, self.max_model_len)
-        num_blocks = math.ceil(max(query_lens) / self.block_size)
-        cache = KVCache(self.model.kv_cache_spec(self.kv_dtype), num_blocks, self.block_size, dev)
-        backend = make_attention_backend(self.attention_backend_name, cache, self.model.attention_spec)
-        table = torch.arange(num_blocks, dtype=torch.int32, device=dev).repeat(len(query_lens), 1)
-        batch = build_attention_batch(table, query_lens, query_lens, self.block_size)
-        input_ids = torch.zeros(size, dtype=torch.int64, device=dev)
-        torch.cuda.synchronize(dev)
-        base = torch.cuda.memory_allocated(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        with torch.no_grad():
-            self.model(input_ids, batch.positions, backend.plan(batch))
-        torch.cuda.synchronize(dev)
-        spec = self.model.attention_spec
-        static = size * (2 * spec.num_heads * spec.head_dim + self.model.dims.hidden) * self.dtype.itemsize
-        return 2 * (torch.cuda.max_memory_allocated(dev) - base) + static + 3 * 8 * size + GRAPH_OVERHEAD_BYTES
-
-    def _profile_decode_graph_bytes(self) -> int:
-        """The attention backend's own buffers, one eager decode step of the largest capture size at
-        max_model_len context (the graphs share one pool, largest captured first, so it holds about one
-        such step), the static logits buffer and a per-graph allowance."""
-        if not self.graph_sizes:
-            return 0
-        dev, size = self.device, max(self.graph_sizes)
-        num_blocks = math.ceil(self.max_model_len / self.block_size)
-        cache = KVCache(self.model.kv_cache_spec(self.kv_dtype), num_blocks, self.block_size, dev)
-        torch.cuda.synchronize(dev)
-        before = torch.cuda.memory_allocated(dev)
-        backend = make_attention_backend(self.attention_backend_name, cache, self.model.attention_spec)
-        backend_bytes = torch.cuda.memory_allocated(dev) - before
-        table = torch.arange(num_blocks, dtype=torch.int32, device=dev).repeat(size, 1)
-        batch = build_attention_batch(table, [1] * size, [self.max_model_len] * size, self.block_size)
-        input_ids = torch.zeros(size, dtype=torch.int64, device=dev)
-        torch.cuda.synchronize(dev)
-        base = torch.cuda.memory_allocated(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        with torch.no_grad():
-            self.model.compute_logits(self.model(input_ids, batch.positions, backend.plan(batch)))
-        torch.cuda.synchronize(dev)
-        step_bytes = torch.cuda.max_memory_allocated(dev) - base
-        logits_bytes = size * self.vocab_size * 4
-        return backend_bytes + step_bytes + logits_bytes + GRAPH_OVERHEAD_BYTES
-
-    def _capture_graphs(self) -> DecodeGraphs | None:
-        if not self.graph_sizes:
-            return None
-        graphs = DecodeGraphs(
-            self.model,
-            self.attention,
-            self.graph_sizes,
-            self.slots.max_blocks,
-            self.block_size,
-            self.scratch_block,
-            self.vocab_size,
-            self.device,
-        )
-        graphs.capture()
-        logger.info(
-            "CUDA graphs: %d decode sizes (%d..%d) captured in %.1f s, using %.2f GiB",
-            len(graphs.sizes),
-            graphs.sizes[0],
-            graphs.max_size,
-            graphs.capture_seconds,
-            graphs.memory_bytes / GIB,
-        )
-        return graphs
-
-    def _capture_pieces(self) -> PiecewiseGraphs | None:
-        if not self.piece_sizes:
-            return None
-        pieces = PiecewiseGraphs(
-            self.model,
-            self.attention,
-            self.piece_sizes,
-            self.scratch_block * self.block_size,
-            self.model.dims.hidden,
-            self.device,
-        )
-        try:
-            pieces.capture()
-        except Exception as exc:
-            raise RuntimeError(f"capturing the piecewise CUDA graphs failed ({type(exc).__name__}: {exc}); "
-                               "--piecewise-cuda-graph-max-tokens 0 runs prefill and mixed steps eagerly") from exc
-        logger.info(
-            "CUDA graphs: prefill and mixed steps in %d token buckets (%d..%d), %d pieces each, captured in "
-            "%.1f s, using %.2f GiB",
-            len(pieces.sizes),
-            pieces.sizes[0],
-            pieces.max_size,
-            len(pieces.pieces[pieces.max_size].graphs),
-            pieces.capture_seconds,
-            pieces.memory_bytes / GIB,
-        )
-        return pieces
-
-    def _captured(self) -> list[CapturedSizes]:
-        return [g for g in (self.graphs, self.pieces) if g is not None]
-
     def _graph_bytes(self) -> int:
-        return sum(g.memory_bytes for g in self._captured())
-
-    def _check_graph_memory(self) -> None:
-        used = self._graph_bytes()
-        if used > self.graph_reserve_bytes:
-            logger.warning("CUDA graphs use %.2f GiB, more than the %.2f GiB reserved for them before sizing the "
-                           "KV pool", used / GIB, self.graph_reserve_bytes / GIB)
-
-    def _profile_params(self) -> SamplingParams:
-        """The sampler's most expensive path it accepts (sorting, penalties, top logprobs)."""
-        heavy = SamplingParams(
-            temperature=1.0,
-            top_p=0.9,
-            top_k=50,
-            min_p=0.05,
-            repetition_penalty=1.1,
-            frequency_penalty=0.1,
-            presence_penalty=0.1,
-            logprobs=True,
-            top_logprobs=min(MAX_TOP_LOGPROBS, self.vocab_size),
-        )
-        if self.sampler.validate(heavy) is None:
-            return heavy
-        return SamplingParams(temperature=0.0, logprobs=True, top_logprobs=min(MAX_TOP_LOGPROBS, self.vocab_size))
+        return graph_capture.captured_bytes(self.graphs, self.pieces)
 
     def ready_message(self) -> WorkerReady:
         return WorkerReady(
@@ -677,7 +222,7 @@ class ModelRunner:
 
     def launch(self, plan: StepPlan) -> PendingStep:
         """Queue one step's device work (see the module docstring); plan.free_slots are released after it."""
-        failed = self._validate(plan)
+        failed = self.checks.validate(plan, self._refused)
         plan = self._without_refused(plan, failed)
         with torch.no_grad():
             for seq in plan.new_seqs:
@@ -705,32 +250,7 @@ class ModelRunner:
 
     def finish(self, pending: PendingStep) -> StepResult:
         """Wait for a launched step's results and build its StepResult."""
-        extra: dict[str, Any] = {"failed_slots": list(pending.failed), "failed_errors": list(pending.failed.values())}
-        if pending.prompt is not None:
-            extra["prompt_slots"], extra["prompt_logprobs"] = pending.prompt.read()
-        if pending.readback is None:
-            return StepResult(step=pending.step, **extra)
-        if pending.copied is not None:
-            pending.copied.synchronize()
-        n = len(pending.slots)
-        host = pending.readback.numpy()
-        bad_rows = np.flatnonzero(host[n:]).tolist()
-        if pending.grammar is not None:  # a token its grammar refused fails its request as a bad row would
-            self.grammar.resolve(pending.grammar)
-            refused = set(pending.grammar.rejected)
-            bad_rows += [i for i, slot in enumerate(pending.slots) if slot in refused and i not in bad_rows]
-        logprobs: list[TokenLogprobs | None] = []
-        if pending.logprobs is not None and pending.logprobs_host is not None:
-            rows = pending.logprobs.unpack(pending.logprobs_host.numpy(), n, bad_rows)
-            logprobs = rows if any(lp is not None for lp in rows) else []
-        return StepResult(
-            step=pending.step,
-            slots=list(pending.slots),
-            token_ids=host[:n].tolist(),
-            logprobs=logprobs,
-            bad_slots=[pending.slots[i] for i in bad_rows],
-            **extra,
-        )
+        return step_result(pending, self.grammar)
 
     def _grammar_info(self) -> Any:
         """XGrammar's view of the served tokenizer, built as the tokenizer process builds it."""
@@ -763,28 +283,6 @@ class ModelRunner:
             self.slots.release(slot)
             self._prompt_want.pop(slot, None)
 
-    def _layout(self, chunks: list[SeqChunk]) -> _Step:
-        step = _Step()
-        for chunk in chunks:
-            row = len(step.token_ids)
-            if chunk.token_ids:
-                want = self._prompt_want.get(chunk.slot)
-                if want is not None:  # before the chunk's tokens: row is its first row
-                    step.prompt.add(want, chunk.slot, row, self.slots.seq_len[chunk.slot], len(chunk.token_ids))
-                step.token_ids += chunk.token_ids
-            else:
-                step.token_ids.append(0)
-                step.decode_rows.append(row)
-                step.decode_slots.append(chunk.slot)
-            n = len(step.token_ids) - row
-            step.slots.append(chunk.slot)
-            step.query_lens.append(n)
-            step.seq_lens.append(self.slots.seq_len[chunk.slot] + n)
-            if chunk.sample:
-                step.sample_rows.append(row + n - 1)
-                step.sample_slots.append(chunk.slot)
-        return step
-
     def _run_chunks(self, plan: StepPlan) -> PendingStep:
         s = self.slots
         appends = [
@@ -795,7 +293,7 @@ class ModelRunner:
         s.write_blocks(appends)
         for slot, first, ids in appends:
             s.num_blocks[slot] = first + len(ids)
-        step = self._layout(plan.chunks)
+        step = lay_out(plan.chunks, s.seq_len, self._prompt_want)
         if self._graphable(step):
             for slot, length in zip(step.slots, step.seq_lens, strict=True):
                 s.seq_len[slot] = length  # the graph's own buffers get the lengths on the device
@@ -817,27 +315,15 @@ class ModelRunner:
             s.has_token[slot] = True
         if out is None:
             return PendingStep(step=plan.step)
-        pending = self._read_back(plan.step, step.sample_slots, out)
+        pending = start_readback(plan.step, step.sample_slots, out, self.device)
         pending.prompt = prompt
         if constrained is not None:
-            constrained.read = lambda: _host_tokens(pending)
+            constrained.read = lambda: host_tokens(pending)
             self.grammar.expect(constrained)
             pending.grammar = constrained
         return pending
 
-    def _read_back(self, step: int, slots: list[int], out: SamplerOutput) -> PendingStep:
-        """Start copying the sampled ids, bad-row flags and logprobs to the host (on the CPU: keep them)."""
-        packed = torch.cat([out.token_ids, out.bad.to(torch.int64)])
-        logprobs = out.device_logprobs
-        pending = PendingStep(step, slots, packed, logprobs, logprobs.packed if logprobs else None)
-        if self.device.type == "cuda":
-            pending.readback = _to_host(packed)
-            pending.logprobs_host = _to_host(logprobs.packed) if logprobs else None
-            pending.copied = torch.cuda.Event()
-            pending.copied.record()
-        return pending
-
-    def _graphable(self, step: _Step) -> bool:
+    def _graphable(self, step: StepBatch) -> bool:
         """A decode-only step that a captured graph covers (its rows all sample, in step order)."""
         return (
             self.graphs is not None
@@ -845,7 +331,7 @@ class ModelRunner:
             and self.graphs.size_for(len(step.slots)) is not None
         )
 
-    def _eager_logits(self, step: _Step) -> tuple[torch.Tensor | None, PromptLogprobs | None]:
+    def _eager_logits(self, step: StepBatch) -> tuple[torch.Tensor | None, PromptLogprobs | None]:
         """Run the step's flat batch eagerly: logits of the rows that sample (None if none does) and the
         prompt logprobs of the rows that ask (None if none does), from the same hidden states."""
         s = self.slots
@@ -876,121 +362,8 @@ class ModelRunner:
             return None, prompt
         return self.model.compute_logits(hidden.index_select(0, sample_rows)), prompt
 
-    # ------------------------------------------------------------------ validation
-
-    def _validate(self, plan: StepPlan) -> dict[int, str]:
-        """Refuse a plan that does not fit (PlanError: a scheduler fault, the step fails) before any state
-        changes; returns the sequences refused alone (slot -> why: the request's own fault)."""
-        new = {seq.slot: seq for seq in plan.new_seqs}
-        if len(new) != len(plan.new_seqs):
-            raise PlanError(f"step {plan.step}: a slot is registered twice")
-        failed: dict[int, str] = {}
-        for seq in plan.new_seqs:
-            error = self._check_new_seq(seq)
-            if error:
-                failed[seq.slot] = error
-        seen: set[int] = set()
-        for chunk in plan.chunks:
-            if chunk.slot in seen:
-                raise PlanError(f"step {plan.step}: slot {chunk.slot} has two chunks")
-            seen.add(chunk.slot)
-            if chunk.slot in failed or chunk.slot in self._refused:
-                continue
-            error = self._check_chunk(chunk, new.get(chunk.slot))
-            if error:
-                failed[chunk.slot] = error
-        for slot in plan.free_slots:
-            self._check_slot(slot)
-        return failed
-
-    def _check_slot(self, slot: int) -> None:
-        if not isinstance(slot, int) or not 0 <= slot < self.max_num_seqs:
-            raise PlanError(f"slot {slot!r} is outside [0, {self.max_num_seqs})")
-
-    def _check_blocks(self, slot: int, ids: list[int], total: int) -> None:
-        bad = [b for b in ids if not isinstance(b, int) or not 0 <= b < self.pool.num_blocks]
-        if bad:
-            raise PlanError(f"slot {slot}: block ids {bad[:8]} are outside [0, {self.pool.num_blocks})")
-        if total > self.slots.max_blocks:
-            raise PlanError(
-                f"slot {slot}: {total} blocks exceed max_model_len {self.max_model_len} "
-                f"({self.slots.max_blocks} blocks of {self.block_size})"
-            )
-
-    def _check_new_seq(self, seq: NewSeq) -> str | None:
-        """PlanError for a plan fault; the reason the sequence alone is refused, or None."""
-        self._check_slot(seq.slot)
-        if self.slots.active[seq.slot]:
-            raise PlanError(f"slot {seq.slot} is already in use (rid {seq.rid}); free it first")
-        self._check_blocks(seq.slot, seq.block_ids, len(seq.block_ids))
-        if not 0 <= seq.num_cached_tokens <= len(seq.block_ids) * self.block_size:
-            raise PlanError(
-                f"slot {seq.slot}: num_cached_tokens {seq.num_cached_tokens} is not covered by "
-                f"{len(seq.block_ids)} blocks"
-            )
-        if seq.sampling.grammar is not None and not seq.sampling.grammar.compiled:
-            return "its grammar was not compiled (the tokenizer process compiles grammars)"
-        return self.sampler.validate(seq.sampling) or self._check_ids(seq.prompt_ids) or self._check_ids(seq.output_ids)
-
-    def _check_ids(self, token_ids: list[int]) -> str | None:
-        """Why these ids cannot be tokens of this model (penalties index by them), or None."""
-        if not token_ids:
-            return None
-        ids = np.asarray(token_ids)  # a non-integer or huge id gives a non-integer dtype
-        if ids.dtype.kind not in "iu" or int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
-            return f"a prompt token id is outside the vocabulary [0, {self.vocab_size})"
-        return None
-
-    def _check_chunk(self, chunk: SeqChunk, new: NewSeq | None) -> str | None:
-        """PlanError for a plan fault; the reason the chunk's sequence alone is refused, or None."""
-        self._check_slot(chunk.slot)
-        s = self.slots
-        if new is None and not s.active[chunk.slot]:
-            raise PlanError(f"chunk for slot {chunk.slot}, which holds no sequence")
-        blocks = (len(new.block_ids) if new else s.num_blocks[chunk.slot]) + len(chunk.append_block_ids)
-        self._check_blocks(chunk.slot, chunk.append_block_ids, blocks)
-        error = None
-        if chunk.token_ids:
-            error = self._check_ids(chunk.token_ids)
-        elif new is not None or not s.has_token[chunk.slot]:
-            raise PlanError(f"decode chunk for slot {chunk.slot}, which has no sampled token to feed")
-        elif not chunk.sample:
-            raise PlanError(f"decode chunk for slot {chunk.slot} must sample")
-        start = new.num_cached_tokens if new else s.seq_len[chunk.slot]
-        end = start + max(len(chunk.token_ids), 1)
-        if end > blocks * self.block_size:
-            raise PlanError(
-                f"slot {chunk.slot}: context of {end} tokens exceeds its {blocks} blocks of {self.block_size}"
-            )
-        if end > self.max_model_len:
-            raise PlanError(
-                f"slot {chunk.slot}: context of {end} tokens exceeds max_model_len {self.max_model_len}"
-            )
-        return error
-
-
-def _host_tokens(pending: PendingStep) -> tuple[np.ndarray, np.ndarray]:
-    """A launched step's sampled ids and bad-row flags on the host, waiting for its copy if need be."""
-    if pending.copied is not None:
-        pending.copied.synchronize()
-    assert pending.readback is not None
-    host = pending.readback.numpy()
-    n = len(pending.slots)
-    return host[:n], host[n:]
-
-
-def _to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """A page-locked host tensor that `tensor` is being copied into (read it once the copy's event fired)."""
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    return host.copy_(tensor, non_blocking=True)
-
 
 def _positive(name: str, value: int) -> int:
     if not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return value
-
-
-def _split(total: int, limit: int) -> list[int]:
-    """total tokens as pieces of at most `limit`."""
-    return [limit] * (total // limit) + ([total % limit] if total % limit else [])

@@ -13,28 +13,23 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from app.config import Settings
 from app.protocol import NewSeq, SamplingParams, SeqChunk, StepPlan, StepResult
 from app.worker.kv_cache import GIB, KVPoolError, cpu_pool_tokens, cuda_pool_bytes, finish_pool
-from app.worker.model_runner import ModelRunner, PlanError
+from app.worker.memory_plan import profile_step
+from app.worker.model_runner import ModelRunner
+from app.worker.plan_checks import PlanError
 from tests.support.model_factory import build_tiny_model
+from tests.support.settings import CPU_RUNNER
+from tests.support.settings import make_settings as support_settings
 
 GREEDY = SamplingParams(temperature=0.0)
 CPU = torch.device("cpu")
 
 
-def make_settings(model_dir: Path, **overrides: Any) -> Any:
-    from app.config import Settings  # here, so the GPU tests can reuse this module without pydantic
-
-    fields: dict[str, Any] = {
-        "model": str(model_dir),
-        "dtype": "float32",
-        "max_num_seqs": 6,
-        "block_size": 4,
-        "chunked_prefill_size": 16,
-        "max_total_tokens": 4096,
-        **overrides,
-    }
-    return Settings(**fields)
+def make_settings(model_dir: Path, **overrides: Any) -> Settings:
+    """The CPU runner tests' settings (tests/support/settings.py)."""
+    return support_settings(model_dir, CPU_RUNNER, **overrides)
 
 
 @functools.lru_cache(maxsize=2)
@@ -333,7 +328,7 @@ def test_cpu_pool_defaults_and_limits(llama_dir: Path) -> None:
 def test_profile_step_runs_anywhere_and_leaves_the_sampler_empty(runner: ModelRunner) -> None:
     # The CUDA sizing path's profile step is device-agnostic: run it here on the CPU.
     assert (
-        runner._profile_step()
+        profile_step(runner.workload, runner.sampler)
         == math.ceil(512 / 4) * 4 * runner.model.kv_cache_spec(torch.float32).bytes_per_token
     )
     result = runner.execute(StepPlan(step=0, new_seqs=[_new(0, [0, 1])], chunks=[SeqChunk(0, [1, 2, 3])]))
@@ -388,22 +383,21 @@ def test_default_model_greedy_parity() -> None:
 def test_default_flashinfer_falls_back_to_triton_when_its_kernels_cannot_load(monkeypatch, caplog) -> None:
     """A start builds no flashinfer kernel: without them in its cache the default backend is triton;
     warmup (build_kernels) lets the probe build them."""
-    from types import SimpleNamespace
-
     from app.worker.attention import flashinfer_backend
+    from app.worker.attention.selection import flashinfer_or_triton
     from app.worker.parallel import SINGLE
 
-    runner = SimpleNamespace(model=SimpleNamespace(attention_spec=None), kv_dtype=torch.bfloat16, device=CPU,
-                             tp=SINGLE, block_size=32, build_kernels=False)
+    def choose(build: bool) -> str:
+        return flashinfer_or_triton(None, torch.bfloat16, CPU, 32, SINGLE, build_kernels=build)
+
     probed = []
     monkeypatch.setattr(flashinfer_backend, "kernels_unavailable",
                         lambda *args, build: probed.append((args[3], build)))
-    assert ModelRunner._flashinfer_or_triton(runner) == "flashinfer"
-    runner.build_kernels = True
-    assert ModelRunner._flashinfer_or_triton(runner) == "flashinfer"
+    assert choose(False) == "flashinfer"
+    assert choose(True) == "flashinfer"
     assert probed == [(32, False), (32, True)]  # the probe runs at the runner's block size
     monkeypatch.setattr(flashinfer_backend, "kernels_unavailable", lambda *_, build: "RuntimeError: nvcc not found")
-    assert ModelRunner._flashinfer_or_triton(runner) == "triton"
+    assert choose(False) == "triton"
     assert "nvcc not found" in caplog.text and "using the triton backend" in caplog.text
     assert "`tokenspeed warmup` builds them" in caplog.text
 

@@ -25,8 +25,9 @@ import zmq
 from app import ipc
 from app.ipc import Endpoints
 from app.protocol import NewSeq, SamplingParams, SeqChunk, Shutdown, StepPlan, StepResult
-from app.worker.model_runner import ModelRunner, PendingStep
+from app.worker.model_runner import ModelRunner
 from app.worker.process import serve_steps
+from app.worker.readback import PendingStep
 from tests.support.model_factory import build_tiny_model
 
 CPU = torch.device("cpu")

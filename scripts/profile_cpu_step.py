@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from app.protocol import NewSeq, SamplingParams, SeqChunk, StepPlan
+from app.worker.cpu_host import available_cores, worker_threads
 
 DEFAULT_MODEL = Path("~/.cache/tokenspeed/models/smollm2-135m-instruct").expanduser()
 
@@ -96,7 +97,8 @@ def main() -> int:
     parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--dtype", nargs="+", default=["float32"])
-    parser.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()])
+    parser.add_argument("--threads", type=int, nargs="+", default=[worker_threads(available_cores())],
+                        help="torch threads (default: what the worker process would use here)")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--profile", action="store_true")

@@ -110,10 +110,10 @@ def request_body(args: argparse.Namespace, prompt: Any, output_len: int) -> tupl
         "temperature": args.temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
-        "ignore_eos": args.ignore_eos,
-        "min_tokens": output_len if args.ignore_eos else 0,
-        **args.extra_body,
     }
+    if args.ignore_eos:  # only then: a server that refuses unknown fields (transformers serve) is served too
+        body.update(ignore_eos=True, min_tokens=output_len)
+    body.update(args.extra_body)
     if args.endpoint == "chat":
         text = prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
         return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": text}]}

@@ -79,14 +79,18 @@ def resolve_device(setting: str, gpu: int = 0):
 
 def set_cpu_threads(torch, workers: int = 1) -> None:
     """Leave two cores to the http, tokenizer and scheduler processes, and share the rest among this
-    node's workers.
+    node's workers (app/worker/cpu_host.py: the cores of the CPU set and cgroup quota, not the host's).
 
     torch's OpenMP threads spin-wait for each other at every op: when a core they expect is busy
     with another process, each op waits for a scheduler time slice (seen here: 2 s per SmolLM2 decode
     step with 2 threads on a loaded 2-core machine, 60 ms with 1). OMP_NUM_THREADS, when set, wins.
     """
+    from app.worker.cpu_host import available_cores, worker_threads
+
     if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, min(8, ((os.cpu_count() or 2) - 2) // workers)))
+        cores = available_cores()
+        torch.set_num_threads(worker_threads(cores, workers))
+        log.info("torch threads: %d (%d usable cores, %d CPU worker(s))", torch.get_num_threads(), cores, workers)
 
 
 def run_worker(settings: Settings, endpoints: Endpoints, place: WorkerPlace | None = None, init_method: str = "") -> None:

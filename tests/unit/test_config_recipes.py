@@ -40,7 +40,8 @@ def test_default_model_recipe() -> None:
     s = recipe_settings(ROOT / "configs" / "recipes" / "smollm2-135m-instruct.yaml")
     assert s.model == os.path.expanduser("~/.cache/tokenspeed/models/smollm2-135m-instruct")
     assert (s.served_model_name, s.dtype, s.max_model_len, s.max_num_seqs, s.device) == (
-        "smollm2-135m-instruct", "auto", 2048, 16, "auto")
+        "smollm2-135m-instruct", "auto", 2048, 32, "auto")
+    assert s.max_total_tokens == 8192  # a CPU-sized KV pool: the whole appliance within ~1.5 GB
 
 
 def test_tiny_test_recipe_takes_the_model_from_the_test() -> None:

@@ -179,8 +179,20 @@ class _Cfg:
         ("float32", None, CPU, torch.float32),
     ],
 )
-def test_dtype_resolution(flag: str, ckpt: object, device: torch.device, expected: torch.dtype) -> None:
+def test_dtype_resolution(flag: str, ckpt: object, device: torch.device, expected: torch.dtype, monkeypatch) -> None:
+    from app.worker import cpu_host
+
+    monkeypatch.setattr(cpu_host, "native_half", lambda dtype: False)  # an AVX2 host: auto is float32
     assert resolve_dtype(flag, _Cfg(ckpt), device) == expected
+
+
+def test_cpu_auto_keeps_a_native_half_dtype(monkeypatch) -> None:
+    from app.worker import cpu_host
+
+    monkeypatch.setattr(cpu_host, "native_half", lambda dtype: dtype == torch.bfloat16)
+    assert resolve_dtype("auto", _Cfg("bfloat16"), CPU) == torch.bfloat16
+    assert resolve_dtype("auto", _Cfg("float16"), CPU) == torch.float32
+    assert resolve_dtype("auto", _Cfg("float32"), CPU) == torch.float32
 
 
 def test_unknown_dtype_is_refused() -> None:

@@ -36,6 +36,7 @@ class _DecodeGroup:
     rows: torch.Tensor  # [G] token rows (one new token per sequence)
     ctx_slots: torch.Tensor  # [G, Lmax] KV slots, padded
     padding: torch.Tensor  # [G, 1, 1, Lmax] bool: True past a sequence's length
+    keep: torch.Tensor  # its negation, the mask SDPA takes (True: attended)
 
 
 @dataclass
@@ -110,7 +111,8 @@ class TorchAttentionBackend(AttentionBackend):
         slots = self._context_slots(batch, idx, longest)
         padding = torch.arange(longest, device=device).unsqueeze(0) >= lens.unsqueeze(1)
         rows = torch.tensor([batch.query_start_loc[b] for b in group], device=device)
-        return _DecodeGroup(rows, slots, padding[:, None, None, :])
+        padding = padding[:, None, None, :]
+        return _DecodeGroup(rows, slots, padding, ~padding)
 
     def forward(
         self,
@@ -166,10 +168,19 @@ class TorchAttentionBackend(AttentionBackend):
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: _DecodeGroup
     ) -> torch.Tensor:
         """One query per sequence: two batched matmuls with a float32 softmax (as transformers' eager
-        attention does), KV heads broadcast over their query-head group instead of repeated."""
+        attention does), KV heads broadcast over their query-head group instead of repeated. On the
+        CPU, SDPA's fused kernel instead (GQA in place, no permuted copies of the gathered context):
+        1.7-2.6x faster there for SmolLM2's shapes at 1 to 8 sequences, and what transformers' default
+        (sdpa) attention runs."""
         num_seqs, num_kv, dim = q.shape[0], self.spec.num_kv_heads, self.spec.head_dim
         keys = k_cache[g.ctx_slots].to(q.dtype)  # [G, L, Hkv, D]
         values = v_cache[g.ctx_slots].to(q.dtype)
+        if q.device.type == "cpu":
+            out = F.scaled_dot_product_attention(
+                q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=g.keep,
+                scale=self.spec.scale, enable_gqa=True,
+            )  # [G, Hq, 1, D]
+            return out.squeeze(2)
         grouped = q.view(num_seqs, num_kv, -1, dim)  # query head h reads KV head h // group
         scores = torch.einsum("bhgd,blhd->bhgl", grouped, keys).float() * self.spec.scale
         scores = scores.masked_fill(g.padding, float("-inf"))

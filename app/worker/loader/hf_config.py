@@ -4,12 +4,17 @@ the compute dtype (--dtype), the context limit (--max-model-len) and the EOS tok
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
+
+from app.worker.cpu_host import cpu_auto_dtype
+
+logger = logging.getLogger(__name__)
 
 _DTYPES: dict[str, torch.dtype] = {
     "half": torch.float16,
@@ -56,10 +61,13 @@ def checkpoint_dtype(config: Any) -> torch.dtype | None:
 
 
 def resolve_dtype(dtype: str, config: Any, device: torch.device) -> torch.dtype:
-    """--dtype: auto = bfloat16 on CUDA (float16 if the checkpoint is float16), float32 on CPU."""
+    """--dtype: auto = bfloat16 on CUDA (float16 if the checkpoint is float16); on the CPU the checkpoint's
+    half dtype where the CPU multiplies it natively, else float32 (app/worker/cpu_host.py)."""
     if dtype == "auto":
         if device.type == "cpu":
-            return torch.float32
+            chosen, why = cpu_auto_dtype(checkpoint_dtype(config))
+            logger.info("dtype auto on the CPU: %s (%s)", str(chosen).removeprefix("torch."), why)
+            return chosen
         return torch.float16 if checkpoint_dtype(config) == torch.float16 else torch.bfloat16
     if dtype not in _DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not supported; choose auto, {', '.join(_DTYPES)}")

@@ -273,14 +273,14 @@ class ModelRunner:
 
     def _register(self, seq: NewSeq) -> None:
         self.sampler.add_seq(seq.slot, seq.rid, seq.sampling, list(seq.prompt_ids), list(seq.output_ids))
-        if self.spec is not None:
-            self.spec.register(seq)
         if seq.sampling.grammar is not None and self.tp.leader:
             try:
                 self.grammar.add(seq.slot, seq.sampling.grammar, list(seq.output_ids))
             except Exception:
                 self.sampler.remove_seq(seq.slot)
                 raise
+        if self.spec is not None:  # after the grammar: a sequence it refuses is not registered anywhere
+            self.spec.register(seq)
         s = self.slots
         s.active[seq.slot] = True
         s.has_token[seq.slot] = False

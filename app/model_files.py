@@ -15,7 +15,8 @@ import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+
+from app.config.settings import Settings
 
 log = logging.getLogger("tokenspeed.model_files")
 
@@ -182,7 +183,7 @@ def _first_line(exc: Exception) -> str:
     return (str(exc).strip().splitlines() or [""])[0]
 
 
-def prepare(settings: Any) -> float:
+def prepare(settings: Settings) -> float:
     """The supervisor's step before any child starts: fetch a Hub model (and a separate Hub tokenizer)
     into the cache, then set HF_HUB_OFFLINE=1 so its children read that copy. Returns the seconds it
     took (0 for local directories)."""
@@ -198,7 +199,7 @@ def prepare(settings: Any) -> float:
     return time.perf_counter() - started
 
 
-def fetch(settings: Any, source: str, load_format: str) -> Path:
+def fetch(settings: Settings, source: str, load_format: str) -> Path:
     """resolve() one of hub_sources(settings) with progress bars; an error about the tokenizer says so."""
     try:
         return resolve(source, load_format=load_format, revision=settings.revision,
@@ -210,7 +211,7 @@ def fetch(settings: Any, source: str, load_format: str) -> Path:
         raise ModelUnavailable(f"--tokenizer {source}: {exc}") from None
 
 
-def hub_sources(settings: Any) -> list[tuple[str, str]]:
+def hub_sources(settings: Settings) -> list[tuple[str, str]]:
     """What a start fetches, each with the load format that decides its weights: the model, and the
     tokenizer when it names another repo (its files only). Local directories are left out; a path
     that does not exist stays in, so that resolve() reports it."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import msgpack
 
@@ -301,14 +301,192 @@ class TextDeltas:
 # ---------------------------------------------------------------- control and lifecycle
 
 
+DEFAULT_UPDATE_GROUP = "weight_update_group"  # a trainer's broadcast group, when the caller names none
+
+# A control operation is one dataclass below; its KIND names it in logs, errors and route codes. The
+# process that runs it: the scheduler (flush_cache, get_loads, pause/continue, the weight operations, which
+# it hands to the worker), or the tokenizer (tokenize, detokenize). Each reply's `result` is the typed
+# payload named in the operation's docstring (None when it has none).
+
+
+@dataclass(slots=True)
+class FlushCache:
+    """Drop the prefix cache's unreferenced blocks."""
+
+    KIND: ClassVar[str] = "flush_cache"
+
+
+@dataclass(slots=True)
+class GetLoads:
+    """Each replica's load; result: Loads (one replica's scheduler), AllLoads (the tokenizer to http)."""
+
+    KIND: ClassVar[str] = "get_loads"
+
+
+@dataclass(slots=True)
+class PauseGeneration:
+    """Stop stepping; mode: in_place (requests stay as they are), retract (their KV is freed), abort."""
+
+    KIND: ClassVar[str] = "pause_generation"
+    mode: str = "in_place"
+
+
+@dataclass(slots=True)
+class ContinueGeneration:
+    KIND: ClassVar[str] = "continue_generation"
+
+
+@dataclass(slots=True)
+class UpdateWeightsFromDisk:
+    """Reload every weight from a checkpoint of the same model; result: WeightIdentity."""
+
+    KIND: ClassVar[str] = "update_weights_from_disk"
+    model_path: str
+    load_format: str | None = None
+    weight_version: str | None = None  # the scheduler's: applied once the worker succeeded
+
+
+@dataclass(slots=True)
+class InitWeightsUpdateGroup:
+    """Join a trainer's broadcast group (the trainer is rank 0; this worker rank_offset + its TP rank)."""
+
+    KIND: ClassVar[str] = "init_weights_update_group"
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = DEFAULT_UPDATE_GROUP
+    backend: str = "nccl"
+
+
+@dataclass(slots=True)
+class DestroyWeightsUpdateGroup:
+    KIND: ClassVar[str] = "destroy_weights_update_group"
+    group_name: str = DEFAULT_UPDATE_GROUP
+
+
+@dataclass(slots=True)
+class UpdateWeightsFromDistributed:
+    """Receive the named tensors from the trainer's broadcasts; result: WeightIdentity."""
+
+    KIND: ClassVar[str] = "update_weights_from_distributed"
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = DEFAULT_UPDATE_GROUP
+    flush_cache: bool = True  # the scheduler's, as weight_version
+    weight_version: str | None = None
+
+
+@dataclass(slots=True)
+class UpdateWeightsFromTensor:
+    """tensors: the bytes of safetensors.torch.save({name: tensor, ...}); result: WeightIdentity."""
+
+    KIND: ClassVar[str] = "update_weights_from_tensor"
+    tensors: bytes
+    flush_cache: bool = True  # the scheduler's, as weight_version
+    weight_version: str | None = None
+
+
+@dataclass(slots=True)
+class StartWeightUpdate:
+    """Open a chunked update: the engine drains and does not step until FinishWeightUpdate."""
+
+    KIND: ClassVar[str] = "start_weight_update"
+
+
+@dataclass(slots=True)
+class FinishWeightUpdate:
+    """Close a chunked update, applying its version and cache flush; result: WeightIdentity."""
+
+    KIND: ClassVar[str] = "finish_weight_update"
+    weight_version: str | None = None
+
+
+@dataclass(slots=True)
+class Tokenize:
+    """Encode prompts, or one chat (messages) rendered by the template; result: Tokenized."""
+
+    KIND: ClassVar[str] = "tokenize"
+    prompts: list[str] = field(default_factory=list)
+    messages: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+@dataclass(slots=True)
+class Detokenize:
+    """Decode each list of token ids; result: Detokenized."""
+
+    KIND: ClassVar[str] = "detokenize"
+    tokens: list[list[int]] = field(default_factory=list)
+    skip_special_tokens: bool = False
+
+
+ControlOp = (FlushCache | GetLoads | PauseGeneration | ContinueGeneration | UpdateWeightsFromDisk
+             | InitWeightsUpdateGroup | DestroyWeightsUpdateGroup | UpdateWeightsFromDistributed
+             | UpdateWeightsFromTensor | StartWeightUpdate | FinishWeightUpdate | Tokenize | Detokenize)
+
+
+@dataclass(slots=True)
+class Loads:
+    """One data-parallel replica's load, as its scheduler reports it (/v1/loads)."""
+
+    dp_rank: int
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_used_blocks: int
+    num_cached_blocks: int
+    num_blocks: int
+    num_preemptions: int
+    paused: bool
+    weight_update_in_progress: bool
+    queued_control_ops: int
+
+
+@dataclass(slots=True)
+class AllLoads:
+    replicas: list[Loads] = field(default_factory=list)  # in replica order
+
+
+@dataclass(slots=True)
+class WeightIdentity:
+    """What a weight change set (None: unchanged): http stamps later responses with it."""
+
+    weight_version: str | None = None
+    model_path: str | None = None
+
+
+@dataclass(slots=True)
+class Tokenized:
+    tokens: list[list[int]] = field(default_factory=list)  # one list per prompt
+    token_strs: list[list[str]] | None = None  # when return_token_strs
+
+
+@dataclass(slots=True)
+class Detokenized:
+    texts: list[str] = field(default_factory=list)
+
+
+ControlResult = Loads | AllLoads | WeightIdentity | Tokenized | Detokenized
+
+
 @dataclass(slots=True)
 class ControlRequest:
-    """A control operation (flush_cache, pause, get_loads, ...) routed http -> tokenizer ->
-    scheduler; the scheduler answers with a ControlReply carrying the same req_id."""
+    """A control operation routed http -> tokenizer (-> each replica's scheduler -> worker); the answer is
+    a ControlReply with the same req_id."""
 
     req_id: str
-    kind: str
-    args: dict[str, Any] = field(default_factory=dict)
+    op: ControlOp
+
+    @property
+    def kind(self) -> str:
+        """The operation's name (its type's, for something that is no operation: the receiver refuses it)."""
+        return getattr(self.op, "KIND", type(self.op).__name__)
 
 
 @dataclass(slots=True)
@@ -316,7 +494,7 @@ class ControlReply:
     req_id: str
     success: bool
     message: str = ""
-    data: dict[str, Any] = field(default_factory=dict)
+    result: ControlResult | None = None
 
 
 @dataclass(slots=True)
@@ -404,6 +582,25 @@ MESSAGE_TYPES: list[type] = [
     EngineInfo,
     ToolCall,  # appended: the tags above are the wire contract
     GrammarSpec,  # appended
+    # The control operations and their results (ControlRequest.op, ControlReply.result).
+    FlushCache,
+    GetLoads,
+    PauseGeneration,
+    ContinueGeneration,
+    UpdateWeightsFromDisk,
+    InitWeightsUpdateGroup,
+    DestroyWeightsUpdateGroup,
+    UpdateWeightsFromDistributed,
+    UpdateWeightsFromTensor,
+    StartWeightUpdate,
+    FinishWeightUpdate,
+    Tokenize,
+    Detokenize,
+    Loads,
+    AllLoads,
+    WeightIdentity,
+    Tokenized,
+    Detokenized,
 ]
 _TAG_OF: dict[type, int] = {cls: i for i, cls in enumerate(MESSAGE_TYPES)}
 _FIELDS: dict[type, tuple[str, ...]] = {

@@ -30,6 +30,7 @@ import zmq
 
 from app import ipc, lifecycle, model_files, startup_phases
 from app import protocol as p
+from app.config.settings import Settings
 from app.ipc import Endpoints
 from app.net import free_port
 from app.topology import Topology
@@ -48,7 +49,7 @@ class Child:
 
 
 class Supervisor:
-    def __init__(self, settings) -> None:
+    def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.runtime_dir = tempfile.mkdtemp(prefix="tokenspeed-")
         os.chmod(self.runtime_dir, 0o700)
@@ -243,7 +244,7 @@ class Supervisor:
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
 
-def serve(settings) -> int:
+def serve(settings: Settings) -> int:
     """Run the appliance until a signal (exit 0) or a child failure (exit 1)."""
     lifecycle.configure_logging(settings.log_level, "supervisor")
     started = time.time()

@@ -15,7 +15,8 @@ Process names (logs, heartbeats, the supervisor's messages): with one replica `s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
+from app.config.settings import Settings
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class Topology:
     dist_init_addr: str | None = None
 
     @classmethod
-    def from_settings(cls, s: Any) -> Topology:
+    def from_settings(cls, s: Settings) -> Topology:
         return cls(
             tp=s.tensor_parallel_size,
             dp=s.data_parallel_size,

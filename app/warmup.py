@@ -20,6 +20,7 @@ from pathlib import Path
 from app import lifecycle, model_files
 from app.config.cli_args import build_parser, parse_command_line
 from app.config.loader import resolve
+from app.config.settings import Settings
 
 PROG = "tokenspeed warmup"
 log = logging.getLogger("tokenspeed.warmup")
@@ -50,7 +51,7 @@ def run(argv: Sequence[str]) -> int:
     return 0
 
 
-def _build(settings) -> dict[str, float]:
+def _build(settings: Settings) -> dict[str, float]:
     import torch
 
     from app.startup_phases import StartupClock

@@ -31,15 +31,14 @@ from typing import Any
 
 import torch
 
+from app.config import Settings
 from app.protocol import NewSeq, SamplingParams, SeqChunk, StepPlan
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 
 
-def runner_settings(args: argparse.Namespace, **overrides: Any) -> Any:
+def runner_settings(args: argparse.Namespace, **overrides: Any) -> Settings:
     """A validated Settings for the runner from the common benchmark flags."""
-    from app.config import Settings
-
     fields: dict[str, Any] = {
         "model": args.model,
         "load_format": args.load_format,
@@ -122,7 +121,7 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
                         help="launch the decode kernels plainly (default: programmatic dependent launch where the GPU has it)")  # fmt: skip
 
 
-def make_runner(settings: Any, device: torch.device, tensor_parallel_size: int = 1) -> Any:
+def make_runner(settings: Settings, device: torch.device, tensor_parallel_size: int = 1) -> Any:
     """A warmed-up ModelRunner, or with TP > 1 rank 0's (the other ranks in spawned processes, on the next
     GPUs; app/worker/tp_group.py). Its weights_bytes are one rank's share."""
     if tensor_parallel_size > 1:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 import ipaddress
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import SecretBytes, SecretStr
+
+from app.config.settings import Settings
 
 MASK = "**********"
 _SECRET_NAMES = ("api_key", "secret", "password", "hf_token")
@@ -30,17 +31,17 @@ class HttpConfig:
     log_requests_level: int
     drain_timeout: float
     settings_view: dict[str, Any]  # every resolved setting, secrets masked (GET /get_server_info)
-    enable_metrics: bool = False  # GET /metrics (Prometheus), open without the API key
-    # Reliability (docs/operations.md); defaults match app.config.Settings for stand-in settings objects.
-    admin_api_key: str | None = None  # with it, the control routes need this key (it opens every route)
-    max_num_seqs: int = 160
-    max_queued_requests: int = 1024
-    heartbeat_timeout: float = 30.0
-    worker_heartbeat_timeout: float = 600.0
-    data_parallel_size: int = 1  # replicas, each with its own --max-num-seqs and --max-queued-requests
-    allow_remote_admin: bool = False  # --allow-remote-admin: control routes open on a public bind
-    reasoning_parser: str | None = None  # --reasoning-parser: chat answers carry reasoning_content
-    tool_call_parser: str | None = None  # --tool-call-parser: chat answers carry tool_calls
+    enable_metrics: bool  # GET /metrics (Prometheus), open without the API key
+    # Reliability (docs/operations.md).
+    admin_api_key: str | None  # with it, the control routes need this key (it opens every route)
+    max_num_seqs: int
+    max_queued_requests: int
+    heartbeat_timeout: float
+    worker_heartbeat_timeout: float
+    data_parallel_size: int  # replicas, each with its own --max-num-seqs and --max-queued-requests
+    allow_remote_admin: bool  # --allow-remote-admin: control routes open on a public bind
+    reasoning_parser: str | None  # --reasoning-parser: chat answers carry reasoning_content
+    tool_call_parser: str | None  # --tool-call-parser: chat answers carry tool_calls
 
     @property
     def capacity(self) -> int:
@@ -48,10 +49,7 @@ class HttpConfig:
         return (self.max_num_seqs + self.max_queued_requests) * self.data_parallel_size
 
     @classmethod
-    def from_settings(cls, settings: Any) -> HttpConfig:
-        """Read from app.config.Settings (or any object with the same fields, e.g. in tests)."""
-        if isinstance(settings, HttpConfig):
-            return settings
+    def from_settings(cls, settings: Settings) -> HttpConfig:
         log_level = str(settings.log_level).lower()
         return cls(
             host=settings.host,
@@ -59,22 +57,26 @@ class HttpConfig:
             model_path=settings.model,
             tokenizer_path=settings.tokenizer or settings.model,
             served_model_name=settings.served_model_name or settings.model,
-            api_key=_api_key(settings),
-            enable_cache_report=bool(settings.enable_cache_report),
+            api_key=settings.api_key_value,
+            enable_cache_report=settings.enable_cache_report,
             weight_version=str(settings.weight_version),
-            stream_output=bool(settings.stream_output),
+            stream_output=settings.stream_output,
             log_level=log_level,
             log_level_http=str(settings.log_level_http or log_level).lower(),
-            enable_log_requests=bool(settings.enable_log_requests),
-            log_requests_level=int(settings.log_requests_level),
-            drain_timeout=float(settings.drain_timeout),
+            enable_log_requests=settings.enable_log_requests,
+            log_requests_level=settings.log_requests_level,
+            drain_timeout=settings.drain_timeout,
             settings_view=masked_settings(settings),
-            enable_metrics=bool(getattr(settings, "enable_metrics", False))
-            and "prometheus" in getattr(settings, "metrics_reporters", ["prometheus"]),
-            admin_api_key=_secret(settings, "admin_api_key"),
-            reasoning_parser=getattr(settings, "reasoning_parser", None),
-            tool_call_parser=getattr(settings, "tool_call_parser", None),
-            **{name: kind(getattr(settings, name, _DEFAULTS[name])) for name, kind in _RELIABILITY.items()},
+            enable_metrics=settings.enable_metrics and "prometheus" in settings.metrics_reporters,
+            admin_api_key=settings.admin_api_key_value,
+            max_num_seqs=settings.max_num_seqs,
+            max_queued_requests=settings.max_queued_requests,
+            heartbeat_timeout=settings.heartbeat_timeout,
+            worker_heartbeat_timeout=settings.worker_heartbeat_timeout,
+            data_parallel_size=settings.data_parallel_size,
+            allow_remote_admin=settings.allow_remote_admin,
+            reasoning_parser=settings.reasoning_parser,
+            tool_call_parser=settings.tool_call_parser,
         )
 
     @property
@@ -86,25 +88,6 @@ class HttpConfig:
     def model_names(self) -> tuple[str, ...]:
         """Names a request's `model` may use: the served name or the model path."""
         return (self.served_model_name, self.model_path)
-
-
-def _api_key(settings: Any) -> str | None:
-    if hasattr(settings, "api_key_value"):  # app.config.Settings: the clear value behind a SecretStr
-        return settings.api_key_value
-    key = settings.api_key
-    if isinstance(key, SecretStr):
-        return key.get_secret_value()
-    return key
-
-
-def _secret(settings: Any, name: str) -> str | None:
-    value = getattr(settings, name, None)
-    return value.get_secret_value() if isinstance(value, SecretStr) else value
-
-
-_RELIABILITY = {"max_num_seqs": int, "max_queued_requests": int, "heartbeat_timeout": float,
-                "worker_heartbeat_timeout": float, "data_parallel_size": int, "allow_remote_admin": bool}
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(HttpConfig)}
 
 
 def is_loopback(host: str) -> bool:
@@ -131,12 +114,6 @@ def _mask(name: str, value: Any) -> Any:
     return value
 
 
-def masked_settings(settings: Any) -> dict[str, Any]:
-    """Every field of the settings object, with secrets replaced by a mask."""
-    if hasattr(settings, "model_dump"):
-        raw = settings.model_dump()
-    elif dataclasses.is_dataclass(settings):
-        raw = dataclasses.asdict(settings)
-    else:
-        raw = dict(vars(settings))
-    return {name: _mask(name, value) for name, value in raw.items()}
+def masked_settings(settings: Settings) -> dict[str, Any]:
+    """Every field of the settings, with secrets replaced by a mask."""
+    return {name: _mask(name, value) for name, value in settings.model_dump().items()}

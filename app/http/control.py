@@ -15,7 +15,7 @@ from app.http.engine_client import EngineUnavailable
 from app.http.errors import APIError, bad_request
 from app.http.state import server_state
 from app.http.streaming import JSON
-from app.protocol import ControlReply
+from app.protocol import AllLoads, ControlOp, ControlReply, FlushCache, GetLoads
 
 CONTROL_TIMEOUT_S = 30.0
 
@@ -49,7 +49,7 @@ async def abort_request(request: Request) -> Response:
     return JSON({"success": True})
 
 
-async def call_engine(request: Request, kind: str, args: dict, timeout: float | None = None) -> ControlReply:
+async def call_engine(request: Request, op: ControlOp, timeout: float | None = None) -> ControlReply:
     """One control operation on the engine; 503 when it cannot serve, 504 when it does not answer
     within timeout (CONTROL_TIMEOUT_S, read at call time, by default)."""
     timeout = CONTROL_TIMEOUT_S if timeout is None else timeout
@@ -57,36 +57,37 @@ async def call_engine(request: Request, kind: str, args: dict, timeout: float | 
     if not state.client.ready:
         raise APIError(503, "the engine is not ready yet")
     try:
-        return await state.client.control(kind, args, timeout=timeout)
+        return await state.client.control(op, timeout=timeout)
     except TimeoutError:
-        raise APIError(504, f"the engine did not answer {kind} within {timeout:g} s") from None
+        raise APIError(504, f"the engine did not answer {op.KIND} within {timeout:g} s") from None
     except EngineUnavailable as exc:
         raise APIError(503, str(exc)) from None
 
 
-async def _engine_control(request: Request, kind: str) -> ControlReply:
-    reply = await call_engine(request, kind, {})
+async def _engine_control(request: Request, op: ControlOp) -> ControlReply:
+    reply = await call_engine(request, op)
     if not reply.success:
-        raise APIError(400, reply.message or f"{kind} failed", code=f"{kind}_failed")
+        raise APIError(400, reply.message or f"{op.KIND} failed", code=f"{op.KIND}_failed")
     return reply
 
 
 async def flush_cache(request: Request) -> Response:
-    reply = await _engine_control(request, "flush_cache")
+    reply = await _engine_control(request, FlushCache())
     return JSON({"success": True, "message": reply.message})
 
 
 async def get_loads(request: Request) -> Response:
     """TokenSpeed's /v1/loads shape, one entry per data-parallel replica, plus each scheduler's KV figures
-    (the tokenizer merges the replicas' replies into data["loads"], see app/tokenizer/control_fanout.py)."""
-    replicas = (await _engine_control(request, "get_loads")).data["loads"]
+    (the tokenizer merges the replicas' Loads into one AllLoads, see app/tokenizer/control_fanout.py)."""
+    result = (await _engine_control(request, GetLoads())).result
+    assert isinstance(result, AllLoads), f"get_loads answered {type(result).__name__}"
     return JSON({"loads": [{
-        "dp_rank": loads["dp_rank"],
-        "num_reqs": loads["num_running"],
-        "num_waiting_reqs": loads["num_waiting"],
-        "num_pages": loads["num_used_blocks"],
-        **loads,
-    } for loads in replicas]})
+        "dp_rank": loads.dp_rank,
+        "num_reqs": loads.num_running,
+        "num_waiting_reqs": loads.num_waiting,
+        "num_pages": loads.num_used_blocks,
+        **dataclasses.asdict(loads),
+    } for loads in result.replicas]})
 
 
 async def get_model_info(request: Request) -> Response:

@@ -22,6 +22,7 @@ from app.ipc import Endpoints
 from app.protocol import (
     FINISH_ABORT,
     AbortRequest,
+    ControlOp,
     ControlReply,
     ControlRequest,
     EngineInfo,
@@ -163,13 +164,13 @@ class BaseEngineClient(abc.ABC):
                                     cached_tokens=cached, error=reason, error_code=error_code))
         return len(subs)
 
-    async def control(self, kind: str, args: dict[str, Any] | None = None, timeout: float = 30.0) -> ControlReply:
+    async def control(self, op: ControlOp, timeout: float = 30.0) -> ControlReply:
         """Run a control operation in the engine; raises TimeoutError if no reply comes in time."""
         req_id = uuid.uuid4().hex
         future: asyncio.Future[ControlReply] = asyncio.get_running_loop().create_future()
         self._controls[req_id] = future
         try:
-            self._send(ControlRequest(req_id=req_id, kind=kind, args=args or {}))
+            self._send(ControlRequest(req_id=req_id, op=op))
             return await asyncio.wait_for(future, timeout)
         finally:
             self._controls.pop(req_id, None)

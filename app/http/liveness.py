@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 import glob
 import os
-from typing import Any
 
+from app.config.settings import Settings
 from app.lifecycle import HEARTBEAT_INTERVAL_S, Heartbeat, HeartbeatWatch
 
 READINESS_STALE_S = 10.0  # silent this long (or half its heartbeat timeout, if less): not ready
@@ -50,7 +50,7 @@ class EngineLiveness:
         self._watches: dict[str, HeartbeatWatch] | None = None
 
     @classmethod
-    def of(cls, runtime_dir: str, settings: Any) -> EngineLiveness:
+    def of(cls, runtime_dir: str, settings: Settings) -> EngineLiveness:
         return cls(engine_heartbeats(runtime_dir), settings.heartbeat_timeout, settings.worker_heartbeat_timeout)
 
     def look(self) -> None:

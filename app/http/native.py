@@ -16,63 +16,34 @@ from app.http.body import StrictBody, read_object, validate
 from app.http.errors import bad_request
 from app.http.limits import check_text_length
 from app.http.runner import run_stream, run_whole
-from app.http.sampling import (
-    LogitBias,
-    MaxTokens,
-    MinP,
-    MinTokens,
-    NumLogprobs,
-    Penalty,
-    RepetitionPenalty,
-    Seed,
-    StopTokenIds,
-    Temperature,
-    TopK,
-    TopP,
-    check_stop,
-    check_token_ids,
-    check_top_k,
-    logit_bias_ids,
-    normalize_stop,
-)
+from app.http.sampling import NumLogprobs, SamplingBody, Seed, check_token_ids
 from app.http.state import ServerState, server_state
 from app.http.streaming import JSON
 from app.http.structured import native_grammar
-from app.protocol import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, GenerateRequest, SamplingParams, TextDelta
+from app.protocol import (
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    GenerateRequest,
+    GrammarSpec,
+    SamplingParams,
+    TextDelta,
+)
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 MAX_RID_CHARS = 256  # request ids travel in every message and log line
 
 
-class NativeSampling(StrictBody):
-    max_new_tokens: MaxTokens | None = None
-    min_new_tokens: MinTokens | None = None
-    temperature: Temperature | None = None
-    top_p: TopP | None = None
-    top_k: TopK | None = None
-    min_p: MinP | None = None
-    frequency_penalty: Penalty | None = None
-    presence_penalty: Penalty | None = None
-    repetition_penalty: RepetitionPenalty | None = None
-    stop: list[str] | None = None
-    stop_token_ids: StopTokenIds | None = None
-    ignore_eos: bool | None = None
-    skip_special_tokens: bool | None = None
-    spaces_between_special_tokens: bool | None = None
-    no_stop_trim: bool | None = None
-    seed: Seed | None = None
+class NativeSampling(SamplingBody):
+    """SGLang's sampling_params: the shared sampling fields under the engine's own names, and these."""
+
     sampling_seed: Seed | None = None  # SGLang's name for seed
-    logit_bias: LogitBias | None = None
     n: int | None = None
     # Structured output (SGLang's names; app/http/structured.py): one of them.
     json_schema: Any = None
     regex: Any = None
     ebnf: Any = None
     structural_tag: Any = None
-
-    _top_k = field_validator("top_k")(check_top_k)
-    _stop_shape = field_validator("stop", mode="before")(normalize_stop)
-    _stop = field_validator("stop")(check_stop)
 
     @field_validator("n")
     @classmethod
@@ -81,33 +52,16 @@ class NativeSampling(StrictBody):
             raise ValueError("only n=1 is supported by /generate: send a batch, or use the OpenAI API's n")
         return value
 
-    def to_params(self, vocab_size: int | None, param: str, logprobs: bool, top_logprobs: int) -> SamplingParams:
+    def sampling(self, vocab_size: int | None, param: str, top_logprobs: int | None) -> SamplingParams:
         if self.seed is not None and self.sampling_seed is not None and self.seed != self.sampling_seed:
             raise bad_request(f"'{param}.seed' and '{param}.sampling_seed' disagree", param=f"{param}.seed")
-        check_token_ids(self.stop_token_ids or [], vocab_size, f"{param}.stop_token_ids")
         max_new = self.max_new_tokens if self.max_new_tokens is not None else DEFAULT_MAX_NEW_TOKENS
-        if self.min_new_tokens is not None and self.min_new_tokens > max_new:
-            raise bad_request(f"'{param}.min_new_tokens' ({self.min_new_tokens}) exceeds max_new_tokens "
-                              f"({max_new})", param=f"{param}.min_new_tokens")
-        given = {name: value for name, value in {
-            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
-            "frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty,
-            "repetition_penalty": self.repetition_penalty, "ignore_eos": self.ignore_eos,
-            "min_new_tokens": self.min_new_tokens, "skip_special_tokens": self.skip_special_tokens,
-            "spaces_between_special_tokens": self.spaces_between_special_tokens, "no_stop_trim": self.no_stop_trim,
-        }.items() if value is not None}
-        return SamplingParams(
-            max_new_tokens=max_new,
-            logit_bias=logit_bias_ids(self.logit_bias, vocab_size, f"{param}.logit_bias"),
-            seed=self.seed if self.seed is not None else self.sampling_seed,
-            stop=list(self.stop or []),
-            stop_token_ids=list(self.stop_token_ids or []),
-            logprobs=logprobs,
-            top_logprobs=top_logprobs,
-            grammar=native_grammar({"json_schema": self.json_schema, "regex": self.regex, "ebnf": self.ebnf,
-                                    "structural_tag": self.structural_tag}, param),
-            **given,
-        )
+        return self.to_params(vocab_size, param, max_new, top_logprobs,
+                              seed=self.seed if self.seed is not None else self.sampling_seed)
+
+    def grammar(self, prefix: str) -> GrammarSpec | None:
+        return native_grammar({"json_schema": self.json_schema, "regex": self.regex, "ebnf": self.ebnf,
+                               "structural_tag": self.structural_tag}, prefix)
 
 
 class GenerateBody(StrictBody):
@@ -195,7 +149,7 @@ def _sampling(body: GenerateBody, size: int, batch: bool, vocab_size: int | None
     out = []
     for item, path in zip(raw, paths, strict=True):
         parsed = validate(NativeSampling, item, path)
-        sampling = parsed.to_params(vocab_size, path, body.return_logprob, body.top_logprobs_num)
+        sampling = parsed.sampling(vocab_size, path, body.top_logprobs_num if body.return_logprob else None)
         if body.return_logprob and body.logprob_start_len is not None:
             sampling.prompt_logprob_start = body.logprob_start_len  # -1: none
         out.append(sampling)

@@ -24,6 +24,7 @@ from starlette.routing import Route
 
 from app import ipc, lifecycle
 from app import protocol as p
+from app.config.settings import Settings
 from app.http.liveness import EngineLiveness, beat_forever
 from app.ipc import Endpoints
 from app.lifecycle import Heartbeat
@@ -57,12 +58,12 @@ def build_node_app(state: NodeState) -> Starlette:
     return Starlette(routes=routes)
 
 
-def run_node_health(settings: Any, endpoints: Endpoints) -> None:
+def run_node_health(settings: Settings, endpoints: Endpoints) -> None:
     lifecycle.init_child("http", settings.log_level)
     asyncio.run(_serve(settings, endpoints))
 
 
-async def _serve(settings: Any, endpoints: Endpoints) -> None:
+async def _serve(settings: Settings, endpoints: Endpoints) -> None:
     liveness = EngineLiveness.of(endpoints.runtime_dir, settings)
     state = NodeState(settings.node_rank, liveness.problem)
     server = uvicorn.Server(uvicorn.Config(build_node_app(state), host=settings.host, port=settings.port,

@@ -12,24 +12,12 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from app.http.body import StrictBody, fits_the_wire, validate
 from app.http.errors import APIError, bad_request, unsupported
 from app.http.sampling import (
-    LogitBias,
     MaxTokens,
-    MinP,
-    MinTokens,
     NumChoices,
     NumLogprobs,
-    Penalty,
-    RepetitionPenalty,
-    Seed,
-    StopTokenIds,
-    Temperature,
-    TopK,
-    TopP,
-    check_stop,
+    SamplingBody,
     check_token_ids,
-    check_top_k,
-    logit_bias_ids,
-    normalize_stop,
+    renamed_fields,
 )
 from app.http.structured import openai_grammar
 from app.http.tools import (
@@ -40,7 +28,7 @@ from app.http.tools import (
     is_forced,
     parse_tool_choice,
 )
-from app.protocol import SamplingParams
+from app.protocol import GrammarSpec, SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
 
@@ -110,32 +98,21 @@ class StreamOptions(StrictBody):
     continuous_usage_stats: bool | None = None  # vLLM: usage in every chunk, not only in a last one
 
 
-class SamplingFields(StrictBody):
-    """What completions and chat share."""
+# OpenAI's names for the shared sampling fields that the engine names otherwise.
+OPENAI_RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+
+
+class SamplingFields(SamplingBody):
+    """What completions and chat share: the sampling fields (OpenAI's names), and these."""
+
+    model_config = renamed_fields(OPENAI_RENAMES)
 
     model: str | None = None  # absent: the served model (as vLLM answers)
-    max_tokens: MaxTokens | None = None
-    temperature: Temperature | None = None
-    top_p: TopP | None = None
-    top_k: TopK | None = None
-    min_p: MinP | None = None
-    presence_penalty: Penalty | None = None
-    frequency_penalty: Penalty | None = None
-    repetition_penalty: RepetitionPenalty | None = None
-    logit_bias: LogitBias | None = None
-    seed: Seed | None = None
-    stop: list[str] | None = None
-    stop_token_ids: StopTokenIds | None = None
-    ignore_eos: bool | None = None
-    min_tokens: MinTokens | None = None
-    skip_special_tokens: bool | None = None
     n: NumChoices | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted as OpenAI does (end-user id); shown in request logs only
-    include_stop_str_in_output: bool | None = None  # vLLM's name for keeping the matched stop string
-    no_stop_trim: bool | None = None  # SGLang's
-    spaces_between_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None  # vLLM's name for no_stop_trim
     # Structured output (app/http/structured.py): OpenAI's response_format, or vLLM clients' fields.
     response_format: Any = None
     guided_json: Any = None
@@ -143,10 +120,6 @@ class SamplingFields(StrictBody):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
-
-    _top_k = field_validator("top_k")(check_top_k)
-    _stop_shape = field_validator("stop", mode="before")(normalize_stop)
-    _stop = field_validator("stop")(check_stop)
 
     @field_validator("model", mode="before")
     @classmethod
@@ -169,35 +142,10 @@ class SamplingFields(StrictBody):
 
     def sampling(self, vocab_size: int | None, max_tokens: int | None, top_logprobs: int | None) -> SamplingParams:
         """top_logprobs None: no logprobs; k >= 0: the sampled token's logprob and k alternatives."""
-        check_token_ids(self.stop_token_ids or [], vocab_size, "stop_token_ids")
-        if (self.min_tokens is not None and max_tokens is not None and self.min_tokens > max_tokens):
-            raise bad_request(f"'min_tokens' ({self.min_tokens}) must not exceed the maximum number of "
-                              f"tokens ({max_tokens})", param="min_tokens")
-        defaults = SamplingParams()
-        return SamplingParams(
-            max_new_tokens=max_tokens,
-            temperature=_or(self.temperature, defaults.temperature),
-            top_p=_or(self.top_p, defaults.top_p),
-            top_k=_or(self.top_k, defaults.top_k),
-            min_p=_or(self.min_p, defaults.min_p),
-            presence_penalty=_or(self.presence_penalty, defaults.presence_penalty),
-            frequency_penalty=_or(self.frequency_penalty, defaults.frequency_penalty),
-            repetition_penalty=_or(self.repetition_penalty, defaults.repetition_penalty),
-            logit_bias=logit_bias_ids(self.logit_bias, vocab_size),
-            seed=self.seed,
-            stop=list(self.stop or []),
-            stop_token_ids=list(self.stop_token_ids or []),
-            ignore_eos=_or(self.ignore_eos, False),
-            min_new_tokens=_or(self.min_tokens, 0),
-            skip_special_tokens=_or(self.skip_special_tokens, True),
-            spaces_between_special_tokens=_or(self.spaces_between_special_tokens, True),
-            no_stop_trim=bool(self.include_stop_str_in_output or self.no_stop_trim),
-            logprobs=top_logprobs is not None,
-            top_logprobs=top_logprobs or 0,
-            grammar=self.grammar(),
-        )
+        return self.to_params(vocab_size, "", max_tokens, top_logprobs,
+                              no_stop_trim=bool(self.include_stop_str_in_output or self.no_stop_trim))
 
-    def grammar(self):
+    def grammar(self, prefix: str) -> GrammarSpec | None:
         guided = {"guided_json": self.guided_json, "guided_regex": self.guided_regex,
                   "guided_choice": self.guided_choice, "guided_grammar": self.guided_grammar}
         return openai_grammar(self.response_format, guided, self.structured_outputs)
@@ -263,7 +211,7 @@ def parse_completion(body: dict[str, Any], vocab_size: int | None) -> tuple[Comp
     for i, prompt in enumerate(parsed.prompts):
         if isinstance(prompt, list):
             check_token_ids(prompt, vocab_size, "prompt" if len(parsed.prompts) == 1 else f"prompt[{i}]")
-    max_tokens = _or(parsed.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS)
+    max_tokens = _or(parsed.max_new_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS)
     sampling = parsed.sampling(vocab_size, max_tokens, parsed.logprobs)
     if parsed.echo and parsed.logprobs is not None:  # the echoed prompt's logprobs come first, as in vLLM
         sampling.prompt_logprob_start = 0
@@ -389,7 +337,7 @@ def parse_chat(body: dict[str, Any], vocab_size: int | None) -> tuple[ChatBody, 
         raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true",
                           param="continue_final_message")
     top = (parsed.top_logprobs or 0) if parsed.logprobs else None
-    max_tokens = parsed.max_completion_tokens if parsed.max_completion_tokens is not None else parsed.max_tokens
+    max_tokens = parsed.max_completion_tokens if parsed.max_completion_tokens is not None else parsed.max_new_tokens
     return parsed, _with_forced_tools(parsed, parsed.sampling(vocab_size, max_tokens, top))
 
 

@@ -1,6 +1,7 @@
 """The RL control plane: weight updates (SGLang- and vLLM-compatible), pause and continue.
 
-Each route validates its body, sends one ControlRequest through the tokenizer to the scheduler
+Each route validates its body into its operation (app/protocol.py: the body's fields are the operation's), sends
+it in one ControlRequest through the tokenizer to the scheduler
 (which drains or pauses the engine and has the worker do the work, see app/scheduler/rl_control.py)
 and answers SGLang's way: {"success": true, "message": ...}, or status 400 with success false when
 the engine refused the operation (the weights and the version are then unchanged). The weight
@@ -22,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from app import protocol as p
 from app.http.body import StrictBody, read_object, validate
 from app.http.control import call_engine
 from app.http.errors import bad_request
@@ -29,7 +31,6 @@ from app.http.errors import bad_request
 # Weight operations may wait for the engine to drain and for a trainer's broadcast or a disk load.
 WEIGHT_OP_TIMEOUT_S = 1800.0
 PAUSE_TIMEOUT_S = 60.0
-DEFAULT_GROUP = "weight_update_group"
 Version = Field(None, min_length=1)
 
 
@@ -44,7 +45,7 @@ class InitGroupBody(StrictBody):
     master_port: int = Field(ge=1, le=65535)
     rank_offset: int = Field(ge=1)  # the trainer is rank 0
     world_size: int = Field(ge=2)
-    group_name: str = Field(DEFAULT_GROUP, min_length=1)
+    group_name: str = Field(p.DEFAULT_UPDATE_GROUP, min_length=1)
     backend: Literal["nccl", "gloo"] = "nccl"
 
     @model_validator(mode="after")
@@ -55,14 +56,14 @@ class InitGroupBody(StrictBody):
 
 
 class GroupBody(StrictBody):
-    group_name: str = Field(DEFAULT_GROUP, min_length=1)
+    group_name: str = Field(p.DEFAULT_UPDATE_GROUP, min_length=1)
 
 
 class DistributedBody(StrictBody):
     names: list[str] = Field(min_length=1)
     dtypes: list[str]
     shapes: list[list[int]]
-    group_name: str = Field(DEFAULT_GROUP, min_length=1)
+    group_name: str = Field(p.DEFAULT_UPDATE_GROUP, min_length=1)
     flush_cache: bool = True
     weight_version: str | None = Version
 
@@ -95,29 +96,29 @@ async def _optional_object(request: Request) -> dict[str, Any]:
     return await read_object(request)
 
 
-async def _run(request: Request, kind: str, args: dict[str, Any], timeout: float) -> Response:
-    reply = await call_engine(request, kind, args, timeout)
+async def _run(request: Request, op: p.ControlOp, timeout: float) -> Response:
+    reply = await call_engine(request, op, timeout)
     return JSONResponse({"success": reply.success, "message": reply.message}, status_code=200 if reply.success else 400)
 
 
 async def update_weights_from_disk(request: Request) -> Response:
     body = validate(DiskBody, await read_object(request))
-    return await _run(request, "update_weights_from_disk", body.model_dump(), WEIGHT_OP_TIMEOUT_S)
+    return await _run(request, p.UpdateWeightsFromDisk(**body.model_dump()), WEIGHT_OP_TIMEOUT_S)
 
 
 async def init_weights_update_group(request: Request) -> Response:
     body = validate(InitGroupBody, await read_object(request))
-    return await _run(request, "init_weights_update_group", body.model_dump(), WEIGHT_OP_TIMEOUT_S)
+    return await _run(request, p.InitWeightsUpdateGroup(**body.model_dump()), WEIGHT_OP_TIMEOUT_S)
 
 
 async def destroy_weights_update_group(request: Request) -> Response:
     body = validate(GroupBody, await _optional_object(request))
-    return await _run(request, "destroy_weights_update_group", body.model_dump(), WEIGHT_OP_TIMEOUT_S)
+    return await _run(request, p.DestroyWeightsUpdateGroup(**body.model_dump()), WEIGHT_OP_TIMEOUT_S)
 
 
 async def update_weights_from_distributed(request: Request) -> Response:
     body = validate(DistributedBody, await read_object(request))
-    return await _run(request, "update_weights_from_distributed", body.model_dump(), WEIGHT_OP_TIMEOUT_S)
+    return await _run(request, p.UpdateWeightsFromDistributed(**body.model_dump()), WEIGHT_OP_TIMEOUT_S)
 
 
 async def update_weights_from_tensor(request: Request) -> Response:
@@ -129,28 +130,28 @@ async def update_weights_from_tensor(request: Request) -> Response:
         except (binascii.Error, ValueError):
             raise bad_request(f"invalid value for 'serialized_named_tensors[{i}]': not base64",
                               param=f"serialized_named_tensors[{i}]") from None
-    args = {"tensors": payloads[0], "flush_cache": body.flush_cache, "weight_version": body.weight_version}
-    return await _run(request, "update_weights_from_tensor", args, WEIGHT_OP_TIMEOUT_S)
+    op = p.UpdateWeightsFromTensor(payloads[0], body.flush_cache, body.weight_version)
+    return await _run(request, op, WEIGHT_OP_TIMEOUT_S)
 
 
 async def start_weight_update(request: Request) -> Response:
     validate(StrictBody, await _optional_object(request))
-    return await _run(request, "start_weight_update", {}, WEIGHT_OP_TIMEOUT_S)
+    return await _run(request, p.StartWeightUpdate(), WEIGHT_OP_TIMEOUT_S)
 
 
 async def finish_weight_update(request: Request) -> Response:
     body = validate(FinishBody, await _optional_object(request))
-    return await _run(request, "finish_weight_update", body.model_dump(), WEIGHT_OP_TIMEOUT_S)
+    return await _run(request, p.FinishWeightUpdate(**body.model_dump()), WEIGHT_OP_TIMEOUT_S)
 
 
 async def pause_generation(request: Request) -> Response:
     body = validate(PauseBody, await _optional_object(request))
-    return await _run(request, "pause_generation", body.model_dump(), PAUSE_TIMEOUT_S)
+    return await _run(request, p.PauseGeneration(**body.model_dump()), PAUSE_TIMEOUT_S)
 
 
 async def continue_generation(request: Request) -> Response:
     validate(StrictBody, await _optional_object(request))
-    return await _run(request, "continue_generation", {}, PAUSE_TIMEOUT_S)
+    return await _run(request, p.ContinueGeneration(), PAUSE_TIMEOUT_S)
 
 
 ROUTES = [

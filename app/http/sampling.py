@@ -1,13 +1,17 @@
-"""Sampling parameters as the HTTP APIs accept them: value types with their ranges, and the checks that need
-the engine's vocabulary."""
+"""Sampling parameters as the HTTP APIs accept them: value types with their ranges, the fields both APIs
+declare (SamplingBody, mapped to the engine's SamplingParams in one place), and the checks that need the
+engine's vocabulary."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+import dataclasses
+from typing import Annotated, Any, ClassVar
 
-from pydantic import Field
+from pydantic import AliasGenerator, ConfigDict, Field, field_validator
 
+from app.http.body import StrictBody
 from app.http.errors import bad_request
+from app.protocol import GrammarSpec, SamplingParams
 
 # Size limits of one request's sampling options (docs/operations.md): each violation is a 400 naming it.
 MAX_STOP_STRINGS = 16
@@ -58,6 +62,84 @@ def check_stop(value: list[str] | None) -> list[str] | None:
     if any(len(s) > MAX_STOP_STRING_CHARS for s in value):
         raise ValueError(f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters")
     return value
+
+
+class SamplingBody(StrictBody):
+    """The sampling fields of /generate's sampling_params and of the OpenAI bodies, declared once under the
+    engine's names (SamplingParams). An API that calls a field otherwise renames it (renamed_fields): clients
+    send that name and errors show it. A field named as a SamplingParams field reaches the engine unchanged
+    (to_params); so a new sampling field is one line here, and one in SamplingParams."""
+
+    max_new_tokens: MaxTokens | None = None
+    min_new_tokens: MinTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    logit_bias: LogitBias | None = None
+    seed: Seed | None = None
+    stop: list[str] | None = None
+    stop_token_ids: StopTokenIds | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None  # keep the matched stop string in the output
+
+    # Fields that need more than a copy: the API resolves the token limit; these three are checked here.
+    _MAPPED: ClassVar[frozenset[str]] = frozenset({"max_new_tokens", "logit_bias", "stop", "stop_token_ids"})
+
+    _top_k = field_validator("top_k")(check_top_k)
+    _stop_shape = field_validator("stop", mode="before")(normalize_stop)
+    _stop = field_validator("stop")(check_stop)
+
+    @classmethod
+    def api_name(cls, field: str) -> str:
+        """The name clients send for `field` (its rename, if the API has one)."""
+        alias = cls.model_fields[field].validation_alias
+        return alias if isinstance(alias, str) else field
+
+    def path(self, prefix: str, field: str) -> str:
+        """Where `field` sits in the request body, as errors name it (prefix: the object holding the fields)."""
+        name = self.api_name(field)
+        return f"{prefix}.{name}" if prefix else name
+
+    def grammar(self, prefix: str) -> GrammarSpec | None:
+        """The output constraint from the API's structured-output fields (each API names its own)."""
+        return None
+
+    def to_params(self, vocab_size: int | None, prefix: str, max_new_tokens: int | None, top_logprobs: int | None,
+                  **engine: Any) -> SamplingParams:
+        """The engine's parameters. max_new_tokens: the API's limit (its default applied); top_logprobs None: no
+        logprobs, k: the sampled token's and k alternatives; engine: values the API sets itself (seed, ...)."""
+        check_token_ids(self.stop_token_ids or [], vocab_size, self.path(prefix, "stop_token_ids"))
+        if self.min_new_tokens is not None and max_new_tokens is not None and self.min_new_tokens > max_new_tokens:
+            raise bad_request(f"'{self.path(prefix, 'min_new_tokens')}' ({self.min_new_tokens}) must not exceed the "
+                              f"maximum number of tokens ({max_new_tokens})", param=self.path(prefix, "min_new_tokens"))
+        given = {name: getattr(self, name) for name in _ENGINE_FIELDS & set(SamplingBody.model_fields) - self._MAPPED
+                 if getattr(self, name) is not None}
+        return SamplingParams(**{
+            **given,
+            "max_new_tokens": max_new_tokens,
+            "logit_bias": logit_bias_ids(self.logit_bias, vocab_size, self.path(prefix, "logit_bias")),
+            "stop": list(self.stop or []),
+            "stop_token_ids": list(self.stop_token_ids or []),
+            "logprobs": top_logprobs is not None,
+            "top_logprobs": top_logprobs or 0,
+            "grammar": self.grammar(prefix),
+            **engine,
+        })
+
+
+_ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def renamed_fields(renames: dict[str, str]) -> ConfigDict:
+    """A SamplingBody subclass's model_config under which the engine-named fields in `renames` take the API's
+    names (only those: the engine's name is then an unknown parameter)."""
+    return ConfigDict(alias_generator=AliasGenerator(validation_alias=lambda name: renames.get(name, name)))
 
 
 def _outside(tid: int, vocab_size: int | None) -> str | None:

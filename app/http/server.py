@@ -28,6 +28,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute
 
 from app import ipc
+from app.config.settings import Settings
 from app.http import control, health, native, openai_routes, openapi, rl_control, tokenize_routes
 from app.http.auth import ADMIN, ApiKeyMiddleware
 from app.http.config import HttpConfig, is_loopback
@@ -69,13 +70,13 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 
 
 def build_app(
-    settings: Any,
+    settings: Settings,
     client: BaseEngineClient,
     *,
     extra_routes: Sequence[BaseRoute] = (),
     health_generate_timeout: float = HEALTH_GENERATE_TIMEOUT_S,
 ) -> Starlette:
-    """The app; `settings` is app.config.Settings (or an HttpConfig). Its lifespan opens and closes
+    """The app for these settings. Its lifespan opens and closes
     the engine client; `app.state.http` is the ServerState (drain control, in-flight count)."""
     config = HttpConfig.from_settings(settings)
     state = ServerState(config, client, health_generate_timeout)
@@ -134,7 +135,7 @@ def configure_logging(config: HttpConfig) -> None:
         logging.getLogger("app.http.requests").setLevel(logging.INFO)
 
 
-def run_http(settings: Any, endpoints: Endpoints) -> None:
+def run_http(settings: Settings, endpoints: Endpoints) -> None:
     config = HttpConfig.from_settings(settings)
     configure_logging(config)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -173,7 +174,7 @@ async def drain_and_stop(state: ServerState, server: uvicorn.Server, timeout: fl
     server.should_exit = True
 
 
-async def _serve(settings: Any, config: HttpConfig, endpoints: Endpoints) -> None:
+async def _serve(settings: Settings, config: HttpConfig, endpoints: Endpoints) -> None:
     loop = asyncio.get_running_loop()
     # (drain timeout, engine failure): SIGTERM drains; the supervisor's Shutdown reports a failure.
     stop_after: asyncio.Queue[tuple[float, str | None]] = asyncio.Queue()

@@ -13,7 +13,7 @@ from app.http.config import HttpConfig
 from app.http.engine_client import BaseEngineClient
 from app.http.errors import APIError
 from app.http.request_log import RequestLog
-from app.protocol import ControlReply
+from app.protocol import ControlReply, WeightIdentity
 
 RETRY_AFTER_S = "5"
 
@@ -40,12 +40,13 @@ class ServerState:
 
     def apply_engine_reply(self, reply: ControlReply) -> None:
         """A successful weight update reports the version (if one was given) and model path it set."""
-        if not reply.success:
+        identity = reply.result
+        if not reply.success or not isinstance(identity, WeightIdentity):
             return
-        if isinstance(version := reply.data.get("weight_version"), str):
-            self.weight_version = version
-        if isinstance(path := reply.data.get("model_path"), str):
-            self.model_path = path
+        if identity.weight_version is not None:
+            self.weight_version = identity.weight_version
+        if identity.model_path is not None:
+            self.model_path = identity.model_path
 
     @property
     def inflight(self) -> int:

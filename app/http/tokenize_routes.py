@@ -10,7 +10,7 @@ and SGLang's `text`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import Field, field_validator
 from starlette.requests import Request
@@ -26,6 +26,9 @@ from app.http.sampling import check_token_ids
 from app.http.state import server_state
 from app.http.streaming import JSON
 from app.http.tools import ToolDef, check_tools
+from app.protocol import ControlOp, Detokenize, Detokenized, Tokenize, Tokenized
+
+R = TypeVar("R", Tokenized, Detokenized)
 
 
 class TokenizeBody(StrictBody):
@@ -62,22 +65,22 @@ async def tokenize(request: Request) -> Response:
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt or []
         check_text_prompts(((f"prompt[{i}]" if isinstance(body.prompt, list) else "prompt", p)
                             for i, p in enumerate(prompts)), info)
-    args: dict[str, Any] = {"return_token_strs": body.return_token_strs}
     if body.messages is not None:
-        args.update(messages=[m.to_engine() for m in body.messages], add_generation_prompt=body.add_generation_prompt,
-                    chat_template_kwargs=body.chat_template_kwargs or {},
-                    tools=[t.to_engine() for t in body.tools or []],
-                    add_special_tokens=bool(body.add_special_tokens))
+        op = Tokenize(messages=[m.to_engine() for m in body.messages], add_generation_prompt=body.add_generation_prompt,
+                      chat_template_kwargs=body.chat_template_kwargs or {},
+                      tools=[t.to_engine() for t in body.tools or []],
+                      add_special_tokens=bool(body.add_special_tokens), return_token_strs=body.return_token_strs)
     else:
-        args.update(prompts=[body.prompt] if isinstance(body.prompt, str) else body.prompt,
-                    add_special_tokens=body.add_special_tokens is not False)
-    data = await _ask(request, "tokenize", args)
+        op = Tokenize(prompts=[body.prompt] if isinstance(body.prompt, str) else body.prompt or [],
+                      add_special_tokens=body.add_special_tokens is not False, return_token_strs=body.return_token_strs)
+    data = await _ask(request, op, Tokenized)
     batched = isinstance(body.prompt, list)
-    tokens = data["tokens"] if batched else data["tokens"][0]
+    tokens = data.tokens if batched else data.tokens[0]
     out: dict[str, Any] = {"tokens": tokens, "count": [len(t) for t in tokens] if batched else len(tokens),
                            "max_model_len": state.client.engine.max_model_len}
     if body.return_token_strs:
-        out["token_strs"] = data["token_strs"] if batched else data["token_strs"][0]
+        strs = data.token_strs or []
+        out["token_strs"] = strs if batched else strs[0]
     return JSON(out)
 
 
@@ -90,16 +93,17 @@ async def detokenize(request: Request) -> Response:
     vocab_size = state.client.engine.vocab_size or None
     for i, ids in enumerate(lists):
         check_token_ids(ids, vocab_size, f"tokens[{i}]" if batched else "tokens")
-    data = await _ask(request, "detokenize", {"tokens": lists, "skip_special_tokens": body.skip_special_tokens})
-    text = data["texts"] if batched else data["texts"][0]
+    data = await _ask(request, Detokenize(tokens=lists, skip_special_tokens=body.skip_special_tokens), Detokenized)
+    text = data.texts if batched else data.texts[0]
     return JSON({"prompt": text, "text": text})
 
 
-async def _ask(request: Request, kind: str, args: dict[str, Any]) -> dict[str, Any]:
-    reply = await call_engine(request, kind, args)
+async def _ask(request: Request, op: ControlOp, result: type[R]) -> R:
+    reply = await call_engine(request, op)
     if not reply.success:
-        raise bad_request(reply.message or f"{kind} failed")
-    return reply.data
+        raise bad_request(reply.message or f"{op.KIND} failed")
+    assert isinstance(reply.result, result), f"{op.KIND} answered {type(reply.result).__name__}"
+    return reply.result
 
 
 ROUTES = [

@@ -11,6 +11,7 @@ import zmq
 from app import ipc, lifecycle
 from app import protocol as p
 from app.config.kv_events import parse_kv_events_config
+from app.config.settings import Settings
 from app.ipc import Endpoints
 from app.metrics.kv_events import KVEventPublisher, KVEventRecorder
 from app.metrics.request_stats import FinishLogger
@@ -30,7 +31,7 @@ CONTROL_POLL_MS = 10  # inbox wait while the worker runs a control operation (it
 class SchedulerLoop:
     """Owns the sockets; one iteration = take inbox messages, run one step, publish deltas."""
 
-    def __init__(self, settings, endpoints: Endpoints, ctx: zmq.Context, replica: int = 0) -> None:
+    def __init__(self, settings: Settings, endpoints: Endpoints, ctx: zmq.Context, replica: int = 0) -> None:
         self.settings = settings
         self.ctx = ctx
         self.replica = replica  # the data-parallel replica this scheduler drives (app/topology.py)
@@ -209,12 +210,15 @@ class SchedulerLoop:
     def control(self, msg: p.ControlRequest) -> p.ControlReply:
         sched = self.scheduler
         assert sched is not None
-        if msg.kind == "flush_cache":
+        if isinstance(msg.op, p.FlushCache):
             n = sched.flush_cache()
             return p.ControlReply(msg.req_id, True, f"Cache flushed ({n} cached blocks dropped).")
-        if msg.kind == "get_loads":
+        if isinstance(msg.op, p.GetLoads):
             assert self.engine_control is not None
-            return p.ControlReply(msg.req_id, True, "", {**sched.loads(), **self.engine_control.status()})
+            control = self.engine_control
+            loads = p.Loads(self.replica, **sched.loads(), paused=control.paused,
+                            weight_update_in_progress=control.session is not None, queued_control_ops=control.num_queued)
+            return p.ControlReply(msg.req_id, True, "", loads)
         return p.ControlReply(msg.req_id, False, f"unknown control operation {msg.kind!r}")
 
     def _reply_error(self, rid: str, message: str, code: int) -> None:
@@ -246,7 +250,7 @@ class SchedulerLoop:
             self._log_window = (start, tokens)
 
 
-def run_scheduler(settings, endpoints: Endpoints, replica: int = 0) -> None:
+def run_scheduler(settings: Settings, endpoints: Endpoints, replica: int = 0) -> None:
     """Process entry (multiprocessing spawn target)."""
     name = Topology.from_settings(settings).scheduler_name(replica)
     lifecycle.init_child(name, settings.log_level)

@@ -1,6 +1,6 @@
 """The RL control plane's scheduler side: pause/continue and weight updates, around the step loop.
 
-Control operations arrive as ControlRequests (kind + args) from the HTTP front. Weight operations
+Control operations arrive as ControlRequests (their op one of app/protocol.py's) from the HTTP front. Weight operations
 run one at a time, in arrival order, on the worker, which replies with a ControlReply:
 
 - A weight change (update_weights_from_disk / _distributed / _tensor, or start_weight_update) first
@@ -15,8 +15,10 @@ run one at a time, in arrival order, on the worker, which replies with a Control
   cache if any chunk asked for it.
 - init_weights_update_group / destroy_weights_update_group only need the worker idle.
 
-The weight version itself lives in the HTTP process; a reply's data carries `weight_version` when
-the version changes (and `model_path` after a disk load), so every later response is stamped with it.
+The weight version itself lives in the HTTP process; a reply's result is a WeightIdentity with the new
+`weight_version` when the version changes (and `model_path` after a disk load), so every later response is
+stamped with it. The worker gets the operation unchanged and ignores the scheduler's fields (weight_version,
+flush_cache).
 """
 
 from __future__ import annotations
@@ -25,22 +27,19 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from app import protocol as p
 from app.scheduler.scheduler import Scheduler
 
 log = logging.getLogger("tokenspeed.scheduler")
 
-WEIGHT_UPDATES = ("update_weights_from_disk", "update_weights_from_distributed", "update_weights_from_tensor")
-GROUP_OPS = ("init_weights_update_group", "destroy_weights_update_group")
+WEIGHT_UPDATES = (p.UpdateWeightsFromDisk, p.UpdateWeightsFromDistributed, p.UpdateWeightsFromTensor)
+GROUP_OPS = (p.InitWeightsUpdateGroup, p.DestroyWeightsUpdateGroup)
 WORKER_OPS = WEIGHT_UPDATES + GROUP_OPS
-SESSION_OPS = ("start_weight_update", "finish_weight_update")
+SESSION_OPS = (p.StartWeightUpdate, p.FinishWeightUpdate)
 QUEUED = WORKER_OPS + SESSION_OPS
-EXCLUSIVE = (*WEIGHT_UPDATES, "start_weight_update")  # need the engine drained (or paused)
+EXCLUSIVE = (*WEIGHT_UPDATES, p.StartWeightUpdate)  # need the engine drained (or paused)
 PAUSE_MODES = ("in_place", "retract", "abort")
-# Arguments the scheduler consumes; the rest go to the worker.
-_SCHEDULER_ARGS = ("weight_version", "flush_cache")
 
 
 @dataclass
@@ -78,29 +77,30 @@ class EngineControl:
     def waiting_for_worker(self) -> bool:
         return self._at_worker is not None
 
-    def status(self) -> dict[str, Any]:
-        return {"paused": self.paused, "weight_update_in_progress": self.session is not None,
-                "queued_control_ops": len(self._queue) + (self._at_worker is not None)}
+    @property
+    def num_queued(self) -> int:
+        """Operations waiting for their turn or running on the worker."""
+        return len(self._queue) + (self._at_worker is not None)
 
     # ------------------------------------------------------------------ requests
 
     def handle(self, msg: p.ControlRequest) -> bool:
         """Take a control request this class owns; False if it is not one of them."""
-        if msg.kind == "pause_generation":
-            self._pause(msg)
-        elif msg.kind == "continue_generation":
+        if isinstance(msg.op, p.PauseGeneration):
+            self._pause(msg.req_id, msg.op)
+        elif isinstance(msg.op, p.ContinueGeneration):
             self.paused = False
             self._reply(p.ControlReply(msg.req_id, True, "Continued generation."))
-        elif msg.kind in QUEUED:
+        elif isinstance(msg.op, QUEUED):
             self._queue.append(msg)
         else:
             return False
         return True
 
-    def _pause(self, msg: p.ControlRequest) -> None:
-        mode = msg.args.get("mode", "in_place")
+    def _pause(self, req_id: str, op: p.PauseGeneration) -> None:
+        mode = op.mode
         if mode not in PAUSE_MODES:
-            self._reply(p.ControlReply(msg.req_id, False, f"unknown pause mode {mode!r}: use {PAUSE_MODES}"))
+            self._reply(p.ControlReply(req_id, False, f"unknown pause mode {mode!r}: use {PAUSE_MODES}"))
             return
         if mode == "abort":
             deltas = self.sched.abort_all("aborted by /pause_generation")
@@ -109,7 +109,7 @@ class EngineControl:
         elif mode == "retract":
             self.sched.retract_all()
         self.paused = True
-        self._reply(p.ControlReply(msg.req_id, True, "Paused generation."))
+        self._reply(p.ControlReply(req_id, True, "Paused generation."))
 
     # ------------------------------------------------------------------ progress
 
@@ -117,14 +117,14 @@ class EngineControl:
         """Start queued operations whose turn has come; call once per loop iteration."""
         while self._queue and self._at_worker is None:
             head = self._queue[0]
-            if head.kind in EXCLUSIVE and not self._drained(steps_in_flight):
+            if isinstance(head.op, EXCLUSIVE) and not self._drained(steps_in_flight):
                 break
-            if head.kind in GROUP_OPS and steps_in_flight:
+            if isinstance(head.op, GROUP_OPS) and steps_in_flight:
                 break
             self._queue.popleft()
             self._start(head)
         pending = [*self._queue, self._at_worker] if self._at_worker is not None else list(self._queue)
-        self.sched.admission_open = self.session is None and not any(op.kind in EXCLUSIVE for op in pending)
+        self.sched.admission_open = self.session is None and not any(isinstance(msg.op, EXCLUSIVE) for msg in pending)
 
     def _drained(self, steps_in_flight: int) -> bool:
         if steps_in_flight:
@@ -132,32 +132,30 @@ class EngineControl:
         return self.paused or self.session is not None or not self.sched.running
 
     def _start(self, msg: p.ControlRequest) -> None:
-        if msg.kind == "start_weight_update":
+        if isinstance(msg.op, p.StartWeightUpdate):
             if self.session is not None:
                 self._reply(p.ControlReply(msg.req_id, False, "a weight update is already in progress"))
             else:
                 self.session = _Session()
                 self._reply(p.ControlReply(msg.req_id, True, "Weight update started."))
-        elif msg.kind == "finish_weight_update":
-            self._finish_session(msg)
+        elif isinstance(msg.op, p.FinishWeightUpdate):
+            self._finish_session(msg.req_id, msg.op)
         else:
-            worker_args = {k: v for k, v in msg.args.items() if k not in _SCHEDULER_ARGS}
             self._at_worker = msg
-            self._to_worker(p.ControlRequest(msg.req_id, msg.kind, worker_args))
+            self._to_worker(msg)
 
-    def _finish_session(self, msg: p.ControlRequest) -> None:
+    def _finish_session(self, req_id: str, op: p.FinishWeightUpdate) -> None:
         session = self.session
         if session is None:
-            self._reply(p.ControlReply(msg.req_id, False,
-                                       "no weight update in progress: call /start_weight_update first"))
+            self._reply(p.ControlReply(req_id, False, "no weight update in progress: call /start_weight_update first"))
             return
         self.session = None
-        version = msg.args.get("weight_version") or session.weight_version
+        version = op.weight_version or session.weight_version
         message = "Weight update finished."
         if session.flush:
             self.sched.flush_cache()
             message += " Prefix cache flushed."
-        self._reply(p.ControlReply(msg.req_id, True, _with_version(message, version), _version_data(version)))
+        self._reply(p.ControlReply(req_id, True, _with_version(message, version), p.WeightIdentity(version)))
 
     def on_worker_reply(self, reply: p.ControlReply) -> None:
         msg = self._at_worker
@@ -165,30 +163,25 @@ class EngineControl:
             log.warning("dropping an unexpected control reply from the worker (%s)", reply.req_id)
             return
         self._at_worker = None
-        if not reply.success or msg.kind not in WEIGHT_UPDATES:
+        op = msg.op
+        if not reply.success or not isinstance(op, WEIGHT_UPDATES):
             self._reply(reply)
             return
         self.sched.mark_running_stale()
-        flush = msg.kind == "update_weights_from_disk" or bool(msg.args.get("flush_cache", True))
-        version = msg.args.get("weight_version")
+        flush = isinstance(op, p.UpdateWeightsFromDisk) or op.flush_cache
+        version = op.weight_version or None
         if self.session is not None:
             self.session.flush |= flush
             self.session.weight_version = version or self.session.weight_version
             self._reply(p.ControlReply(reply.req_id, True, reply.message + " Weight version and cache flush "
-                                       "are deferred to /finish_weight_update.", dict(reply.data)))
+                                       "are deferred to /finish_weight_update."))
             return
         message = reply.message
         if flush:
             self.sched.flush_cache()
             message += " Prefix cache flushed."
-        data = {**reply.data, **_version_data(version)}
-        if msg.kind == "update_weights_from_disk":
-            data["model_path"] = msg.args["model_path"]
-        self._reply(p.ControlReply(reply.req_id, True, _with_version(message, version), data))
-
-
-def _version_data(version: str | None) -> dict[str, Any]:
-    return {"weight_version": version} if version else {}
+        path = op.model_path if isinstance(op, p.UpdateWeightsFromDisk) else None
+        self._reply(p.ControlReply(reply.req_id, True, _with_version(message, version), p.WeightIdentity(version, path)))
 
 
 def _with_version(message: str, version: str | None) -> str:

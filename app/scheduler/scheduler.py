@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from app import protocol as p
+from app.config.settings import Settings
 from app.scheduler.kv_cache import KVCacheManager, chain_hash
 from app.scheduler.request import Request, Status
 
@@ -59,7 +60,7 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
 
     @classmethod
-    def from_settings(cls, settings, ready: p.WorkerReady) -> SchedulerConfig:
+    def from_settings(cls, settings: Settings, ready: p.WorkerReady) -> SchedulerConfig:
         """The scheduler's knobs from the appliance settings and the worker's pool figures."""
         return cls(
             num_blocks=ready.num_blocks,
@@ -70,9 +71,9 @@ class SchedulerConfig:
             max_prefill_tokens=settings.max_prefill_tokens,
             enable_prefix_caching=settings.enable_prefix_caching,
             eos_token_ids=tuple(ready.eos_token_ids),
-            max_queued_requests=getattr(settings, "max_queued_requests", None),
-            request_timeout=getattr(settings, "request_timeout", None),
-            ttft_timeout=getattr(settings, "ttft_timeout", None),
+            max_queued_requests=settings.max_queued_requests,
+            request_timeout=settings.request_timeout,
+            ttft_timeout=settings.ttft_timeout,
             num_speculative_tokens=settings.speculative_num_steps if settings.speculative_algorithm else 0,
         )
 

@@ -10,32 +10,42 @@ under the original req_id:
   message (`replica 1 failed: ...`) and the replicas that succeeded (a weight update is then applied on
   those only); on success the common message if all agree, else each replica's (`replica 0: ...; replica
   1: ...`).
-- data: for get_loads, `{"loads": [{"dp_rank": d, **replica d's data}, ...]}` in replica order. For the
-  other operations, a key that every replica reports with the same value keeps that value; a key whose
-  values differ, or that some replica lacks, becomes the list of the replicas' values (None where absent).
-  So `weight_version` and `model_path` pass through when all replicas agree.
+- result: for get_loads, an AllLoads of every replica's Loads, in replica order. For the others, with one
+  replica its result unchanged; with several, a WeightIdentity keeps each field that every replica reports
+  with the same value (else None: http then applies no version or path), and any other result passes
+  through only if every replica's is the same (else None).
 
-init_weights_update_group is refused at once with several replicas: every replica's workers would claim
+InitWeightsUpdateGroup is refused at once with several replicas: every replica's workers would claim
 the same ranks in the trainer's group (TokenSpeed requires data-parallel size 1 there as well).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.protocol import ControlReply, ControlRequest
+from app.protocol import (
+    AllLoads,
+    ControlOp,
+    ControlReply,
+    ControlRequest,
+    ControlResult,
+    GetLoads,
+    InitWeightsUpdateGroup,
+    Loads,
+    WeightIdentity,
+)
 
 log = logging.getLogger(__name__)
 
-_ABSENT = object()
-SINGLE_REPLICA_ONLY = ("init_weights_update_group",)
+SINGLE_REPLICA_ONLY = (InitWeightsUpdateGroup,)
 
 
 @dataclass
 class _Pending:
-    kind: str
+    op: ControlOp
     replies: list[ControlReply | None] = field(default_factory=list)
 
 
@@ -55,19 +65,19 @@ class ControlFanOut:
         """The answer to give http at once instead of sending req on, or None to send it."""
         if req.req_id in self._pending:
             return ControlReply(req.req_id, False, f"control request id {req.req_id!r} is already in use")
-        if req.kind in SINGLE_REPLICA_ONLY and self.num_replicas > 1:
+        if isinstance(req.op, SINGLE_REPLICA_ONLY) and self.num_replicas > 1:
             return ControlReply(req.req_id, False, f"{req.kind} needs --data-parallel-size 1: each of the "
                                 f"{self.num_replicas} replicas would take the same ranks in the trainer's group")
         return None
 
     def split(self, req: ControlRequest) -> list[tuple[int, ControlRequest]]:
         """The copies of req to send, as (replica, request) pairs; their replies go to collect()."""
-        self._pending[req.req_id] = _Pending(req.kind, [None] * self.num_replicas)
+        self._pending[req.req_id] = _Pending(req.op, [None] * self.num_replicas)
         copies = []
         for replica in range(self.num_replicas):
             sub_id = self._sub_id(req.req_id, replica)
             self._sub_ids[sub_id] = (req.req_id, replica)
-            copies.append((replica, ControlRequest(sub_id, req.kind, dict(req.args))))
+            copies.append((replica, ControlRequest(sub_id, req.op)))
         return copies
 
     def collect(self, reply: ControlReply) -> ControlReply | None:
@@ -82,15 +92,15 @@ class ControlFanOut:
         if any(r is None for r in pending.replies):
             return None
         del self._pending[req_id]
-        return combine(req_id, pending.kind, [r for r in pending.replies if r is not None])
+        return combine(req_id, pending.op, [r for r in pending.replies if r is not None])
 
     def _sub_id(self, req_id: str, replica: int) -> str:
         return req_id if self.num_replicas == 1 else f"{req_id}/dp{replica}"
 
 
-def combine(req_id: str, kind: str, replies: list[ControlReply]) -> ControlReply:
+def combine(req_id: str, op: ControlOp, replies: list[ControlReply]) -> ControlReply:
     """One reply from every replica's, in replica order (the rules in the module docstring)."""
-    return ControlReply(req_id, all(r.success for r in replies), _message(replies), _data(kind, replies))
+    return ControlReply(req_id, all(r.success for r in replies), _message(replies), _result(op, replies))
 
 
 def _message(replies: list[ControlReply]) -> str:
@@ -108,17 +118,19 @@ def _message(replies: list[ControlReply]) -> str:
     return "; ".join(f"replica {d}: {r.message}" for d, r in enumerate(replies))
 
 
-def _data(kind: str, replies: list[ControlReply]) -> dict[str, Any]:
-    if kind == "get_loads":
-        return {"loads": [{"dp_rank": d, **r.data} for d, r in enumerate(replies)]}
-    if len(replies) == 1:
-        return dict(replies[0].data)
-    keys = list(dict.fromkeys(k for r in replies for k in r.data))
-    out: dict[str, Any] = {}
-    for key in keys:
-        values = [r.data.get(key, _ABSENT) for r in replies]
-        if all(v is not _ABSENT and v == values[0] for v in values):
-            out[key] = values[0]
-        else:
-            out[key] = [None if v is _ABSENT else v for v in values]
-    return out
+def _result(op: ControlOp, replies: list[ControlReply]) -> ControlResult | None:
+    results = [r.result for r in replies]
+    if isinstance(op, GetLoads):
+        return AllLoads([r for r in results if isinstance(r, Loads)])
+    if len(results) == 1:
+        return results[0]
+    identities = [r for r in results if isinstance(r, WeightIdentity)]
+    if len(identities) == len(results):
+        return WeightIdentity(**{f.name: _agreed([getattr(r, f.name) for r in identities])
+                                 for f in dataclasses.fields(WeightIdentity)})
+    return _agreed(results)
+
+
+def _agreed(values: list[Any]) -> Any:
+    """The value every replica gave, else None."""
+    return values[0] if all(v == values[0] for v in values) else None

@@ -260,7 +260,7 @@ class TokenizerCore:
         return self._release_held(msg.rid or "") or self._to_holder(msg.rid or "", msg)
 
     def _on_control(self, msg: ControlRequest) -> list[Outgoing]:
-        if msg.kind in tokenize_ops.KINDS:  # answered here: the tokenizer is in this process
+        if isinstance(msg.op, tokenize_ops.OPS):  # answered here: the tokenizer is in this process
             if self._engine is None:
                 return [Outgoing(HTTP, ControlReply(msg.req_id, False, "the engine is not ready yet"))]
             return [Outgoing(HTTP, tokenize_ops.handle(msg, self._tokenizer, chat_template=self._chat_template,

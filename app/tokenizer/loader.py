@@ -5,12 +5,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from app.config.settings import Settings
+
 logger = logging.getLogger(__name__)
 
 TOKENIZER_MODES = ("auto",)
 
 
-def tokenizer_source(settings: Any) -> str:
+def tokenizer_source(settings: Settings) -> str:
     """--tokenizer, else the model path or hub id."""
     source = settings.tokenizer or settings.model
     if not source:
@@ -45,7 +47,7 @@ def load_tokenizer(
     return tokenizer
 
 
-def load_tokenizer_from_settings(settings: Any) -> Any:
+def load_tokenizer_from_settings(settings: Settings) -> Any:
     return load_tokenizer(
         tokenizer_source(settings),
         tokenizer_mode=settings.tokenizer_mode,

@@ -17,6 +17,7 @@ from typing import Any
 import zmq
 
 from app import ipc, lifecycle
+from app.config.settings import Settings
 from app.ipc import Endpoints
 from app.protocol import EngineInfo, ProcessReady, ProtocolError, Shutdown
 from app.tokenizer.chat import resolve_chat_template
@@ -35,7 +36,7 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(0)
 
 
-def run_tokenizer(settings: Any, endpoints: Endpoints) -> None:
+def run_tokenizer(settings: Settings, endpoints: Endpoints) -> None:
     """Process entry (multiprocessing spawn target)."""
     lifecycle.init_child("tokenizer", settings.log_level)  # logging, SIGINT ignored, dies with parent
     signal.signal(signal.SIGTERM, _on_sigterm)
@@ -61,7 +62,7 @@ def run_tokenizer(settings: Any, endpoints: Endpoints) -> None:
     logger.info("tokenizer: stopped")
 
 
-def _build_core(settings: Any) -> tuple[TokenizerCore, EngineInfo]:
+def _build_core(settings: Settings) -> tuple[TokenizerCore, EngineInfo]:
     """The core and the tokenizer's part of EngineInfo (max_token_chars; the model's figures are the
     worker's: its vocabulary is often padded past the tokenizer's)."""
     chat_template = resolve_chat_template(settings.chat_template)

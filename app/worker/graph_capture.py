@@ -24,7 +24,7 @@ from app.worker.cuda_graphs import CapturedSizes, DecodeGraphs, capture_sizes
 from app.worker.kv_cache import GIB
 from app.worker.memory_plan import Workload, split
 from app.worker.parallel import TensorParallel
-from app.worker.piecewise_graphs import DEFAULT_MAX_TOKENS, PiecewiseGraphs, bucket_sizes
+from app.worker.piecewise_graphs import PiecewiseGraphs, bucket_sizes
 
 logger = logging.getLogger(__name__)
 
@@ -35,16 +35,12 @@ GRAPH_OVERHEAD_BYTES = 64 << 20
 def decode_graph_sizes(settings: Settings, device: torch.device, backend: str, max_num_seqs: int) -> list[int]:
     """Decode batch sizes to capture; none on the CPU, with --enforce-eager, or with a backend that
     cannot be captured (torch)."""
-    if device.type != "cuda" or getattr(settings, "enforce_eager", False):
+    if device.type != "cuda" or settings.enforce_eager:
         return []
     if not backend_class(backend).supports_cuda_graphs:
         logger.info("CUDA graphs off: the %s attention backend runs eagerly", backend)
         return []
-    return capture_sizes(
-        getattr(settings, "cudagraph_capture_sizes", None),
-        getattr(settings, "max_cudagraph_capture_size", None),
-        max_num_seqs,
-    )
+    return capture_sizes(settings.cudagraph_capture_sizes, settings.max_cudagraph_capture_size, max_num_seqs)
 
 
 def piece_sizes(settings: Settings, decode_sizes: list[int], backend: str, tp: TensorParallel,
@@ -56,8 +52,7 @@ def piece_sizes(settings: Settings, decode_sizes: list[int], backend: str, tp: T
         return []
     if not backend_class(backend).supports_piecewise_graphs:
         return []
-    limit = getattr(settings, "piecewise_cuda_graph_max_tokens", DEFAULT_MAX_TOKENS)
-    return bucket_sizes(min(limit, max_step_tokens))
+    return bucket_sizes(min(settings.piecewise_cuda_graph_max_tokens, max_step_tokens))
 
 
 def profile_graph_bytes(w: Workload, decode_sizes: list[int], pieces: list[int]) -> int:

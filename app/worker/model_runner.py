@@ -59,6 +59,7 @@ from app.worker.transfer import upload
 
 logger = logging.getLogger(__name__)
 
+
 class ModelRunner:
     """Start-up (model, attention backend, KV pool, CUDA graphs, each from its own module), then one
     StepPlan at a time: launch() and finish()."""
@@ -77,7 +78,7 @@ class ModelRunner:
             if self.device.index is None:  # "cuda": the current device, named (set_device needs an index)
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
-        self.pdl = configure_pdl(getattr(settings, "enable_pdl", True), self.device, tp)
+        self.pdl = configure_pdl(settings.enable_pdl, self.device, tp)
         setup = resolve_model(settings, self.device, tp)
         self.model_dir, self.config, self.dtype = setup.model_dir, setup.config, setup.dtype
         self.quant_scheme, self.kv_quant, self.kv_dtype = setup.quant_scheme, setup.kv_quant, setup.kv_dtype
@@ -148,7 +149,7 @@ class ModelRunner:
 
     def _spec_decoder(self) -> SpecDecoder | None:
         """Speculative decoding (app/worker/spec): drafts are made and verified on the host of one rank."""
-        if getattr(self.settings, "speculative_algorithm", None) is None:  # getattr: the GPU tests' settings
+        if self.settings.speculative_algorithm is None:
             return None
         if self.tp.size > 1:
             raise ValueError("speculative decoding with --tensor-parallel-size > 1 is not supported yet")

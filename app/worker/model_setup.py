@@ -53,8 +53,7 @@ def resolve_model(settings: Settings, device: torch.device, tp: TensorParallel) 
     )
     config = load_hf_config(model_dir, settings.hf_overrides, settings.trust_remote_code)
     dtype = resolve_dtype(settings.dtype, config, device)
-    # FP8 weights and KV cache (getattr: the GPU tests' plain settings may leave these out).
-    quant_scheme = resolve_quantization(getattr(settings, "quantization", None), config)
+    quant_scheme = resolve_quantization(settings.quantization, config)
     if tp.size > 1 and quant_scheme is not None and quant_scheme.block is not None:
         raise ValueError(
             "block-scaled FP8 checkpoints with --tensor-parallel-size > 1 are not supported yet (each rank "
@@ -62,9 +61,9 @@ def resolve_model(settings: Settings, device: torch.device, tp: TensorParallel) 
             "checkpoints and --quantization fp8 on a bf16 checkpoint work with tensor parallelism"
         )
     kv_quant = resolve_kv_cache_quant(
-        getattr(settings, "kv_cache_dtype", "auto"),
-        getattr(settings, "kv_cache_quant_method", "none"),
-        getattr(settings, "quantization_param_path", None),
+        settings.kv_cache_dtype,
+        settings.kv_cache_quant_method,
+        settings.quantization_param_path,
         int(config.num_hidden_layers),
     )
     return ModelSetup(

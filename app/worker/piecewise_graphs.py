@@ -34,7 +34,6 @@ from app.worker.cuda_graphs import CapturedSizes
 # Below a few hundred tokens a step is bound by reading the weights, so padding it costs little; from
 # 512 up the buckets are 128 tokens apart (a quarter of a step at most). Past ~2000 tokens the GPU's
 # work outlasts the host's and a graph saves little.
-DEFAULT_MAX_TOKENS = 2048  # --piecewise-cuda-graph-max-tokens' default
 SMALL_BUCKETS = (16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512)
 LARGE_STEP = 128
 

@@ -33,6 +33,7 @@ import zmq
 
 from app import ipc, lifecycle
 from app import protocol as p
+from app.config.settings import Settings
 from app.ipc import Endpoints
 from app.startup_phases import StartupClock
 from app.topology import Topology, WorkerPlace
@@ -88,7 +89,7 @@ def set_cpu_threads(torch, workers: int = 1) -> None:
         torch.set_num_threads(max(1, min(8, ((os.cpu_count() or 2) - 2) // workers)))
 
 
-def run_worker(settings, endpoints: Endpoints, place: WorkerPlace | None = None, init_method: str = "") -> None:
+def run_worker(settings: Settings, endpoints: Endpoints, place: WorkerPlace | None = None, init_method: str = "") -> None:
     """Process entry (multiprocessing spawn target). The TP leader serves its replica's scheduler; the other
     ranks follow the messages it relays (app/worker/parallel.py)."""
     place = place or WorkerPlace(0, 0, 1, 0, "worker0")
@@ -301,7 +302,7 @@ def run_control(runner, msg: p.ControlRequest, heartbeat: lifecycle.Heartbeat | 
 
     def work() -> None:
         try:
-            outcome.append(p.ControlReply(msg.req_id, True, control.handle(msg.kind, msg.args)))
+            outcome.append(p.ControlReply(msg.req_id, True, control.handle(msg.op)))
         except Exception as exc:
             log.error("%s failed: %s", msg.kind, exc, exc_info=not isinstance(exc, ValueError))
             outcome.append(p.ControlReply(msg.req_id, False, str(exc) or type(exc).__name__))

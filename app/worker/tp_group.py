@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from app import protocol as p
+from app.config.settings import Settings
 from app.net import free_port
 from app.worker.model_runner import ModelRunner
 from app.worker.parallel import TensorParallel
@@ -52,7 +53,7 @@ class LeaderRunner:
         self.tp.close()
 
 
-def _follower_main(settings: Any, device: str, rank: int, size: int, init_method: str) -> None:
+def _follower_main(settings: Settings, device: str, rank: int, size: int, init_method: str) -> None:
     from app.worker.process import follow_steps
 
     dev = torch.device(device)
@@ -68,7 +69,7 @@ def _follower_main(settings: Any, device: str, rank: int, size: int, init_method
     os._exit(0)  # no interpreter teardown: an NCCL group that CUDA graphs captured cannot be destroyed
 
 
-def start_tp_group(settings: Any, device: torch.device, size: int) -> LeaderRunner:
+def start_tp_group(settings: Settings, device: torch.device, size: int) -> LeaderRunner:
     """Rank 0's runner here, ranks 1..size-1 in spawned processes (on CUDA, the next device indices)."""
     init = f"tcp://127.0.0.1:{free_port()}"
     ctx = mp.get_context("spawn")

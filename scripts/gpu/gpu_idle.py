@@ -27,7 +27,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,6 +35,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from app.bench.latency import time_graph_replay as graph_replay_ms  # noqa: E402
+from app.config import Settings  # noqa: E402
 from app.protocol import NewSeq, SamplingParams, SeqChunk, StepPlan, StepResult  # noqa: E402
 from app.worker.process import StepPipeline  # noqa: E402
 
@@ -72,17 +72,15 @@ class TimedRunner:
         return self.finish(self.launch(plan))
 
 
-def runner_settings(args: argparse.Namespace) -> SimpleNamespace:
-    """The fields ModelRunner reads (a plain namespace: no pydantic needed on the GPU machine)."""
+def runner_settings(args: argparse.Namespace) -> Settings:
+    """The runner's settings: graphs captured at exactly the batch sizes measured."""
     need = args.input_len + args.warmup_steps + args.steps + 1
-    return SimpleNamespace(
-        model=args.model, load_format=args.load_format, dtype=args.dtype, hf_overrides={}, trust_remote_code=False,
-        revision=None, download_dir=None, max_model_len=args.max_model_len or need,
+    return Settings(
+        model=args.model, load_format=args.load_format, dtype=args.dtype, max_model_len=args.max_model_len or need,
         gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=max(args.batch_sizes),
         chunked_prefill_size=args.chunked_prefill_size, max_prefill_tokens=args.chunked_prefill_size,
-        max_total_tokens=None, block_size=args.block_size, attention_backend=args.attention_backend,
-        sampling_backend=None, seed=0, enforce_eager=False, cudagraph_capture_sizes=list(args.batch_sizes),
-        max_cudagraph_capture_size=None,
+        block_size=args.block_size, attention_backend=args.attention_backend, seed=0,
+        cudagraph_capture_sizes=list(args.batch_sizes),
     )  # fmt: skip
 
 

@@ -26,8 +26,7 @@ import torch
 
 from app.protocol import NewSeq, SamplingParams, SeqChunk, StepPlan
 from app.worker.model_runner import ModelRunner
-from tests.gpu.test_model_runner_gpu import LLAMA_31_8B
-from tests.gpu.test_model_runner_gpu import settings as base_settings
+from tests.gpu.test_model_runner_gpu import LLAMA_31_8B, settings
 from tests.support.model_factory import build_tiny_model
 from tests.unit.test_model_runner import Request, ScriptedScheduler, hf_greedy, hf_model, prompts_for
 
@@ -60,12 +59,6 @@ def free_gpu_memory() -> Iterator[None]:
     yield
     gc.collect()
     torch.cuda.empty_cache()
-
-
-def settings(model_dir: Path, **overrides: Any) -> Any:
-    fields = {"enforce_eager": False, "cudagraph_capture_sizes": None, "max_cudagraph_capture_size": None}
-    fields.update(overrides)
-    return base_settings(model_dir, **fields)
 
 
 def run_requests(runner: ModelRunner, prompts: list[list[int]], new: int) -> dict[str, list[int]]:

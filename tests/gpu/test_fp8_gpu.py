@@ -1,8 +1,7 @@
 """FP8 on CUDA (skipped without it): torch._scaled_mm against the emulated GEMM, CUDA-graph capture of an
 FP8 linear, FP8 models and the FP8 KV cache through ModelRunner, and Llama-3.1-8B's weight bytes.
 
-Settings are a plain stand-in (tests/gpu/test_model_runner_gpu.py): the GPU machine's Python has no
-pydantic. The row-wise _scaled_mm path needs compute capability >= 9.0 (H100/H200); on 8.9 (Ada) the
+The row-wise _scaled_mm path needs compute capability >= 9.0 (H100/H200); on 8.9 (Ada) the
 per-tensor path runs; below that everything is emulated and the _scaled_mm tests skip.
 """
 

@@ -9,8 +9,6 @@
   (relative L2) and the torch run picks the same token at a rate >= GREEDY_AGREEMENT (both read the
   same FP8 codes; what differs is bfloat16 summation order, which can flip a near-tie);
 - graphs vs eager on an FP8 cache: identical tokens, every batch size a captured size.
-
-Settings are the plain stand-in of tests/gpu/test_model_runner_gpu.py (no pydantic on the GPU machine).
 """
 
 from __future__ import annotations

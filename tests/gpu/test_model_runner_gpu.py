@@ -1,21 +1,19 @@
-"""ModelRunner on CUDA (skipped without it): greedy parity, bf16 defaults, KV pool sizing at 8B scale.
-
-Settings are a plain stand-in here: the GPU machine's Python has no pydantic.
-"""
+"""ModelRunner on CUDA (skipped without it): greedy parity, bf16 defaults, KV pool sizing at 8B scale."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
+from app.config import Settings
 from app.protocol import NewSeq, SamplingParams, SeqChunk, StepPlan
 from app.worker.model_runner import ModelRunner
 from tests.support.model_factory import build_tiny_model
+from tests.support.settings import GPU_RUNNER, make_settings
 from tests.unit.test_model_runner import Request, ScriptedScheduler, hf_greedy, hf_model, prompts_for
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -47,15 +45,9 @@ LLAMA_31_8B = {
 }
 
 
-def settings(model_dir: Path, **overrides: Any) -> SimpleNamespace:
-    fields: dict[str, Any] = {
-        "model": str(model_dir), "load_format": "auto", "dtype": "auto", "hf_overrides": {},
-        "trust_remote_code": False, "revision": None, "download_dir": None, "max_model_len": None,
-        "gpu_memory_utilization": 0.3, "max_num_seqs": 8, "chunked_prefill_size": 64, "max_prefill_tokens": 8192,
-        "max_total_tokens": 8192, "block_size": 16, "attention_backend": None, "sampling_backend": None, "seed": 0,
-    }  # fmt: skip
-    fields.update(overrides)
-    return SimpleNamespace(**fields)
+def settings(model_dir: Path, **overrides: Any) -> Settings:
+    """The GPU runner tests' settings (tests/support/settings.py)."""
+    return make_settings(model_dir, GPU_RUNNER, **overrides)
 
 
 # The MoE families run kernels/moe.py here (float32: IEEE dots).

@@ -9,7 +9,6 @@ from app.worker.attention import resolve_attention_backend
 from app.worker.attention.base import AttentionSpec, build_attention_batch
 from app.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from app.worker.kv_cache import KVCache, KVCacheSpec
-from app.worker.piecewise_graphs import DEFAULT_MAX_TOKENS as PIECEWISE_DEFAULT
 from app.worker.piecewise_graphs import PiecewiseGraphs, bucket_sizes
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -160,12 +159,6 @@ def test_piecewise_buckets_cover_every_step_size() -> None:
         bucket = {t: next(b for b in sizes if b >= t) for t in range(1, limit + 1)}
         assert all(b <= max(16, 2 * t) for t, b in bucket.items())  # small steps read weights: padding is cheap
         assert all(b <= 1.25 * t for t, b in bucket.items() if t >= 512)
-
-
-def test_piecewise_default_is_the_settings_default() -> None:
-    from app.config.settings import Settings
-
-    assert Settings.model_fields["piecewise_cuda_graph_max_tokens"].default == PIECEWISE_DEFAULT
 
 
 def test_piecewise_stage_pads_onto_the_scratch_slot() -> None:

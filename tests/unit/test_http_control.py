@@ -13,7 +13,7 @@ from pydantic import SecretStr
 
 from app.http import control
 from app.http.server import build_app
-from app.protocol import FINISH_ABORT, ControlReply, StartupPhase, TextDelta
+from app.protocol import FINISH_ABORT, AllLoads, ControlReply, GetLoads, Loads, StartupPhase, TextDelta
 from tests.unit.test_http_fakes import (
     ENGINE,
     INFO,
@@ -132,6 +132,24 @@ async def test_flush_cache(method: str) -> None:
     assert [m.kind for m in engine.controls] == ["flush_cache"]
 
 
+async def test_loads_shape_one_entry_per_replica() -> None:
+    engine = FakeEngine()
+    loads = [Loads(d, 2 + d, 1, 0.25, 16, 4, 64, d, False, d == 1, 0) for d in range(2)]
+    engine.control_reply = lambda msg: ControlReply(msg.req_id, True, "", AllLoads(loads))
+    async with asgi_client(engine) as c:
+        for path in ("/v1/loads", "/get_loads"):
+            r = await c.get(path)
+            assert r.status_code == 200
+            first, second = r.json()["loads"]
+            assert list(first)[:4] == ["dp_rank", "num_reqs", "num_waiting_reqs", "num_pages"]
+            assert first == {"dp_rank": 0, "num_reqs": 2, "num_waiting_reqs": 1, "num_pages": 16, "num_running": 2,
+                             "num_waiting": 1, "kv_cache_usage": 0.25, "num_used_blocks": 16, "num_cached_blocks": 4,
+                             "num_blocks": 64, "num_preemptions": 0, "paused": False,
+                             "weight_update_in_progress": False, "queued_control_ops": 0}
+            assert (second["dp_rank"], second["num_reqs"], second["weight_update_in_progress"]) == (1, 3, True)
+    assert [m.op for m in engine.controls] == [GetLoads(), GetLoads()]
+
+
 async def test_flush_cache_failures(monkeypatch: pytest.MonkeyPatch) -> None:
     refused = FakeEngine()
     refused.control_reply = lambda msg: ControlReply(msg.req_id, False, "requests are running")
@@ -160,7 +178,7 @@ async def test_info_routes() -> None:
                      "weight_version": "w1"}
     assert "sk-very-secret" not in server.text
     info = server.json()
-    assert info["api_key"] == "**********" and info["engine_info"] == {**INFO, **dataclasses.asdict(ENGINE)} and info["port"] == 0
+    assert info["api_key"] == "**********" and info["engine_info"] == {**INFO, **dataclasses.asdict(ENGINE)} and info["port"] == settings().port
     assert version == {"weight_version": "w1"}
     assert update["success"] and update["new_version"] == "w2"
     assert after == {"model_path": MODEL_PATH, "weight_version": "w2"}

@@ -29,6 +29,8 @@ from app.protocol import (
     ControlRequest,
     EngineReady,
     GenerateRequest,
+    GetLoads,
+    PauseGeneration,
     ProcessReady,
     SamplingParams,
     Shutdown,
@@ -103,13 +105,13 @@ async def test_engine_client_over_zmq(tmp_path: Path) -> None:
         assert client.num_inflight == 0
 
         # control round trip, and a control the engine never answers
-        flush = asyncio.create_task(client.control("flush_cache", {"x": 1}, timeout=2))
+        flush = asyncio.create_task(client.control(PauseGeneration("abort"), timeout=2))
         ctl = await tokenizer_gets()
-        assert isinstance(ctl, ControlRequest) and (ctl.kind, ctl.args) == ("flush_cache", {"x": 1})
+        assert isinstance(ctl, ControlRequest) and ctl.op == PauseGeneration("abort")
         await engine_says(ControlReply(ctl.req_id, True, "flushed"))
         assert (await flush).message == "flushed"
         with pytest.raises(TimeoutError):
-            await client.control("get_loads", timeout=0.05)
+            await client.control(GetLoads(), timeout=0.05)
         await tokenizer_gets()
 
         await client.abort(abort_all=True, reason="bye")

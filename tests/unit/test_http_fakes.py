@@ -12,12 +12,12 @@ import asyncio
 import json
 import threading
 from collections.abc import Callable
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
 
 from app import protocol
+from app.config import Settings
 from app.http.engine_client import BaseEngineClient
 from app.http.server import build_app
 from app.protocol import (
@@ -32,6 +32,7 @@ from app.protocol import (
     TextDeltas,
     TokenLogprobs,
 )
+from tests.support.settings import make_settings
 from tests.support.threaded_server import ThreadedServer
 
 MODEL = "tiny-model"
@@ -45,16 +46,10 @@ PIECES = ["Hello", " world", ",", " how", " are", " you", "?"]
 Script = Callable[[GenerateRequest], list[TextDelta] | None]
 
 
-def settings(**overrides: Any) -> SimpleNamespace:
-    """A stand-in for app.config.Settings with the fields the HTTP process reads."""
-    values = dict(
-        host="127.0.0.1", port=0, model=MODEL_PATH, tokenizer=None, served_model_name=MODEL, api_key=None,
-        enable_cache_report=False, weight_version="default", stream_interval=1, stream_output=False,
-        log_level="info", log_level_http=None, enable_log_requests=False, log_requests_level=0,
-        drain_timeout=5.0,
-    )
-    values.update(overrides)
-    return SimpleNamespace(**values)
+def settings(**overrides: Any) -> Settings:
+    """The HTTP tests' settings (tests/support/settings.py): the fake model's names, a short drain."""
+    fields: dict[str, Any] = {"host": "127.0.0.1", "served_model_name": MODEL, "drain_timeout": 5.0, **overrides}
+    return make_settings(fields.pop("model", MODEL_PATH), **fields)
 
 
 def prompt_len(req: GenerateRequest) -> int:

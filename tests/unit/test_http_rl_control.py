@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save
 
+from app import protocol as p
 from app.protocol import ControlReply, ControlRequest
 from tests.unit.test_http_fakes import MODEL_PATH, FakeEngine, asgi_client, assert_error
 
@@ -20,24 +21,23 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-def engine_answering(**data_by_kind) -> FakeEngine:
-    """A fake engine whose replies carry what the scheduler would report for each kind."""
+def engine_answering(report_path: bool = False) -> FakeEngine:
+    """A fake engine whose replies carry the weight identity the scheduler would report: the operation's
+    version, and (report_path) a disk load's model path; model_path "/bad" is refused."""
     engine = FakeEngine()
 
     def reply(msg: ControlRequest) -> ControlReply:
-        if msg.kind == "refuse":
-            return ControlReply(msg.req_id, False, "no")
-        data = dict(data_by_kind.get(msg.kind, {}))
-        if msg.args.get("weight_version"):
-            data["weight_version"] = msg.args["weight_version"]
-        return ControlReply(msg.req_id, msg.args.get("model_path") != "/bad", f"did {msg.kind}", data)
+        op = msg.op
+        path = op.model_path if isinstance(op, p.UpdateWeightsFromDisk) else None
+        identity = p.WeightIdentity(getattr(op, "weight_version", None), path if report_path else None)
+        return ControlReply(msg.req_id, path != "/bad", f"did {msg.kind}", identity)
 
     engine.control_reply = reply
     return engine
 
 
 async def test_disk_update_changes_version_and_model_path_everywhere() -> None:
-    engine = engine_answering(update_weights_from_disk={"model_path": "/ckpt/2"})
+    engine = engine_answering(report_path=True)
     async with asgi_client(engine, weight_version="v1") as c:
         ok = await c.post("/update_weights_from_disk", json={"model_path": "/ckpt/2", "weight_version": "v2"})
         info = (await c.get("/model_info")).json()
@@ -52,8 +52,7 @@ async def test_disk_update_changes_version_and_model_path_everywhere() -> None:
     assert failed.status_code == 400 and failed.json()["success"] is False
     assert after == {"weight_version": "v2"}  # a refused update changes nothing
     sent = engine.controls[0]
-    assert (sent.kind, sent.args) == ("update_weights_from_disk",
-                                     {"model_path": "/ckpt/2", "load_format": None, "weight_version": "v2"})
+    assert sent.op == p.UpdateWeightsFromDisk("/ckpt/2", None, "v2")
 
 
 async def test_an_update_without_a_version_keeps_it() -> None:
@@ -79,13 +78,11 @@ async def test_distributed_and_group_bodies() -> None:
         destroy = await c.post("/destroy_weights_update_group")  # SGLang clients may send no body
         version = (await c.get("/get_weight_version")).json()
     assert init.status_code == upd.status_code == destroy.status_code == 200
-    kinds = [(m.kind, m.args) for m in engine.controls]
-    assert kinds[0] == ("init_weights_update_group", {"master_address": "10.0.0.1", "master_port": 29500,
-                                                      "rank_offset": 1, "world_size": 2,
-                                                      "group_name": "weight_update_group", "backend": "gloo"})
-    assert kinds[1][1] == {"names": ["a", "b"], "dtypes": ["bfloat16", "float32"], "shapes": [[2, 3], [4]],
-                           "group_name": "weight_update_group", "flush_cache": True, "weight_version": "s1"}
-    assert kinds[2] == ("destroy_weights_update_group", {"group_name": "weight_update_group"})
+    ops = [m.op for m in engine.controls]
+    assert ops[0] == p.InitWeightsUpdateGroup("10.0.0.1", 29500, 1, 2, "weight_update_group", "gloo")
+    assert ops[1] == p.UpdateWeightsFromDistributed(["a", "b"], ["bfloat16", "float32"], [[2, 3], [4]],
+                                                    "weight_update_group", True, "s1")
+    assert ops[2] == p.DestroyWeightsUpdateGroup("weight_update_group")
     assert "same length" in assert_error(ragged, 400)["message"]
     assert "rank_offset" in assert_error(bad_rank, 400)["message"]
     assert version == {"weight_version": "s1"}
@@ -101,7 +98,7 @@ async def test_tensor_update_payload_is_base64_safetensors() -> None:
         two_ranks = await c.post("/update_weights_from_tensor", json={"serialized_named_tensors": ["", ""]})
     assert ok.status_code == 200
     (sent,) = engine.controls
-    assert sent.args == {"tensors": payload, "flush_cache": False, "weight_version": None}
+    assert sent.op == p.UpdateWeightsFromTensor(payload, flush_cache=False, weight_version=None)
     assert assert_error(not_b64, 400)["param"] == "serialized_named_tensors[0]"
     assert_error(two_ranks, 400, "serialized_named_tensors")
 
@@ -117,10 +114,9 @@ async def test_chunked_update_routes_pause_and_continue() -> None:
         bad_mode = await c.post("/pause_generation", json={"mode": "later"})
         extra = await c.post("/finish_weight_update", json={"weight_version": "z", "flush": True})
         version = (await c.get("/get_weight_version")).json()
-    assert [(m.kind, m.args) for m in engine.controls] == [
-        ("start_weight_update", {}), ("finish_weight_update", {"weight_version": "z"}),
-        ("pause_generation", {"mode": "abort"}), ("pause_generation", {"mode": "in_place"}),
-        ("continue_generation", {})]
+    assert [m.op for m in engine.controls] == [
+        p.StartWeightUpdate(), p.FinishWeightUpdate("z"), p.PauseGeneration("abort"), p.PauseGeneration("in_place"),
+        p.ContinueGeneration()]
     assert_error(bad_mode, 400, "mode")
     assert_error(extra, 400, "flush")
     assert version == {"weight_version": "z"}

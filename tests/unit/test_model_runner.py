@@ -13,30 +13,23 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from app.config import Settings
 from app.protocol import NewSeq, SamplingParams, SeqChunk, StepPlan, StepResult
 from app.worker.kv_cache import GIB, KVPoolError, cpu_pool_tokens, cuda_pool_bytes, finish_pool
 from app.worker.memory_plan import profile_step
 from app.worker.model_runner import ModelRunner
 from app.worker.plan_checks import PlanError
 from tests.support.model_factory import build_tiny_model
+from tests.support.settings import CPU_RUNNER
+from tests.support.settings import make_settings as support_settings
 
 GREEDY = SamplingParams(temperature=0.0)
 CPU = torch.device("cpu")
 
 
-def make_settings(model_dir: Path, **overrides: Any) -> Any:
-    from app.config import Settings  # here, so the GPU tests can reuse this module without pydantic
-
-    fields: dict[str, Any] = {
-        "model": str(model_dir),
-        "dtype": "float32",
-        "max_num_seqs": 6,
-        "block_size": 4,
-        "chunked_prefill_size": 16,
-        "max_total_tokens": 4096,
-        **overrides,
-    }
-    return Settings(**fields)
+def make_settings(model_dir: Path, **overrides: Any) -> Settings:
+    """The CPU runner tests' settings (tests/support/settings.py)."""
+    return support_settings(model_dir, CPU_RUNNER, **overrides)
 
 
 @functools.lru_cache(maxsize=2)

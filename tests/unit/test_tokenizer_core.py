@@ -6,15 +6,20 @@ from app.protocol import (
     AbortRequest,
     ControlReply,
     ControlRequest,
+    Detokenize,
+    Detokenized,
     EngineInfo,
     EngineReady,
     FinishRequest,
+    FlushCache,
     GenerateRequest,
     SamplingParams,
     TextDelta,
     TextDeltas,
     TokenDelta,
     TokenDeltas,
+    Tokenize,
+    Tokenized,
     TokenizedRequest,
     TokenLogprobs,
     WorkerReady,
@@ -240,7 +245,7 @@ def test_scheduler_error_is_copied(tok):
 
 def test_control_messages_are_routed(tok):
     core = make_core(tok)
-    req = ControlRequest(req_id="c1", kind="flush_cache")
+    req = ControlRequest(req_id="c1", op=FlushCache())
     reply = ControlReply(req_id="c1", success=True)
     assert [(o.dest, o.msg) for o in core.handle(req)] == [(SCHEDULER, req)]
     assert [(o.dest, o.msg) for o in core.handle(reply)] == [(HTTP, reply)]
@@ -248,8 +253,12 @@ def test_control_messages_are_routed(tok):
 
 def test_tokenize_is_answered_by_the_tokenizer_itself(tok):
     core = make_core(tok)
-    [out] = core.handle(ControlRequest(req_id="t1", kind="tokenize", args={"prompts": ["Hello"]}))
-    assert out.dest == HTTP and out.msg.success and out.msg.data["tokens"] == [list(tok.encode("Hello"))]
+    [out] = core.handle(ControlRequest(req_id="t1", op=Tokenize(prompts=["Hello"], return_token_strs=True)))
+    ids = list(tok.encode("Hello"))
+    assert out.dest == HTTP and out.msg.success
+    assert out.msg.result == Tokenized([ids], [tok.convert_ids_to_tokens(ids)])
+    [out] = core.handle(ControlRequest(req_id="t2", op=Detokenize(tokens=[ids])))
+    assert out.msg.result == Detokenized([tok.decode(ids)])
 
 
 def test_unexpected_message_is_dropped(tok):

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 
 from app.tokenizer.loader import eos_token_ids, load_tokenizer, load_tokenizer_from_settings, tokenizer_source
+from tests.support.settings import make_settings
 from tests.support.tokenizer_factory import VOCAB_SIZE, build_tokenizer
 
 
@@ -18,19 +18,13 @@ def tok_dir(tmp_path_factory):
     return path
 
 
-def settings(**kw):
-    base = dict(model="/nonexistent", tokenizer=None, tokenizer_mode="auto", trust_remote_code=False,
-                revision=None, download_dir=None)
-    return SimpleNamespace(**{**base, **kw})
-
-
 def test_source_prefers_tokenizer_over_model():
-    assert tokenizer_source(settings(model="m", tokenizer="t")) == "t"
-    assert tokenizer_source(settings(model="m")) == "m"
+    assert tokenizer_source(make_settings("m", tokenizer="t")) == "t"
+    assert tokenizer_source(make_settings("m")) == "m"
 
 
 def test_load_from_local_dir(tok_dir):
-    tok = load_tokenizer_from_settings(settings(model=str(tok_dir)))
+    tok = load_tokenizer_from_settings(make_settings(str(tok_dir)))
     assert tok.is_fast
     assert len(tok) <= VOCAB_SIZE
     assert tok.decode(tok.encode("Hello, world!")) == "Hello, world!"

@@ -26,6 +26,7 @@ from app.protocol import (
     EngineReady,
     FinishRequest,
     GenerateRequest,
+    GetLoads,
     ProcessReady,
     SamplingParams,
     Shutdown,
@@ -121,8 +122,8 @@ def test_round_trip_stop_string_and_sigterm(harness):
     # A malformed message is dropped; the process keeps serving. SIGINT is ignored.
     h.to_tokenizer.send(b"\xc1 not msgpack")
     os.kill(h.proc.pid, signal.SIGINT)
-    h.send(ControlRequest(req_id="c1", kind="get_loads"))
-    assert h.recv("scheduler") == ControlRequest(req_id="c1", kind="get_loads")
+    h.send(ControlRequest(req_id="c1", op=GetLoads()))
+    assert h.recv("scheduler") == ControlRequest(req_id="c1", op=GetLoads())
     assert h.proc.is_alive()
 
     h.proc.terminate()  # SIGTERM: a clean exit

@@ -6,12 +6,17 @@ import pytest
 
 from app.protocol import (
     AbortRequest,
+    AllLoads,
     ControlReply,
     ControlRequest,
     EngineInfo,
     EngineReady,
     FinishRequest,
+    FlushCache,
     GenerateRequest,
+    GetLoads,
+    InitWeightsUpdateGroup,
+    Loads,
     SamplingParams,
     TokenDelta,
     TokenDeltas,
@@ -158,7 +163,7 @@ def test_a_failed_detokenization_aborts_on_the_holder(tok, monkeypatch) -> None:
 
 def test_control_fans_out_and_one_combined_reply_reaches_http(tok) -> None:
     core = two_replicas(tok)
-    out = core.handle(ControlRequest("c1", "flush_cache"))
+    out = core.handle(ControlRequest("c1", FlushCache()))
     assert [(o.dest, o.replica, o.msg.kind) for o in out] == [(SCHEDULER, 0, "flush_cache"), (SCHEDULER, 1, "flush_cache")]
     sub0, sub1 = (o.msg.req_id for o in out)
     assert len({sub0, sub1, "c1"}) == 3  # each replica answers under its own id
@@ -172,12 +177,13 @@ def test_control_fans_out_and_one_combined_reply_reaches_http(tok) -> None:
 
 def test_get_loads_with_one_replica_is_a_list_of_one(tok) -> None:
     core = TokenizerCore(tok)
-    [o] = core.handle(ControlRequest("g", "get_loads"))
-    assert (o.replica, o.msg) == (0, ControlRequest("g", "get_loads"))  # one replica: the request unchanged
-    [reply] = core.handle(ControlReply("g", True, "", {"num_running": 3}))
-    assert reply.msg == ControlReply("g", True, "", {"loads": [{"dp_rank": 0, "num_running": 3}]})
+    [o] = core.handle(ControlRequest("g", GetLoads()))
+    assert (o.replica, o.msg) == (0, ControlRequest("g", GetLoads()))  # one replica: the request unchanged
+    loads = Loads(0, 3, 0, 0.25, 2, 1, 8, 0, False, False, 0)
+    [reply] = core.handle(ControlReply("g", True, "", loads))
+    assert reply.msg == ControlReply("g", True, "", AllLoads([loads]))
 
 
 def test_init_weights_update_group_is_refused_with_several_replicas(tok) -> None:
-    [o] = two_replicas(tok).handle(ControlRequest("w", "init_weights_update_group", {"rank_offset": 1}))
+    [o] = two_replicas(tok).handle(ControlRequest("w", InitWeightsUpdateGroup("h", 1, rank_offset=1, world_size=2)))
     assert o.dest == HTTP and not o.msg.success and "--data-parallel-size 1" in o.msg.message

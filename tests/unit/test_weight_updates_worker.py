@@ -4,6 +4,7 @@ SGLang-compatible trainers do (torch's _new_process_group_helper over PrefixStor
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import inspect
 import shutil
@@ -15,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save, save_file
 
+from app import protocol as p
 from app.worker.loader import load_hf_config, load_weights
 from app.worker.loader.update_group import open_update_group
 from app.worker.loader.updates import (
@@ -32,8 +34,9 @@ from app.worker.models.dense import DenseCausalLM
 from app.worker.parallel import SINGLE
 from tests.support.appliance import free_port
 from tests.support.model_factory import build_tiny_model
+from tests.support.settings import make_settings
 
-SETTINGS = SimpleNamespace(hf_overrides={}, trust_remote_code=False, download_dir=None, weight_update_roots=[])
+SETTINGS = make_settings()  # the defaults: no download dir, no extra roots
 EVERYWHERE = [Path("/")]  # roots for the tests that are not about them
 
 
@@ -102,8 +105,8 @@ def test_disk_reloads_read_only_below_the_allowed_roots(model_dirs, tmp_path) ->
     symbolic link leading out, or one that does not exist all get the same answer, naming nothing found."""
     model, config = loaded(model_dirs["a"])
     before = snapshot(model)
-    settings = SimpleNamespace(**{**vars(SETTINGS), "download_dir": str(tmp_path / "cache"),
-                                  "weight_update_roots": [str(model_dirs["b"].parent / "wide")]})
+    settings = make_settings(download_dir=str(tmp_path / "cache"),
+                             weight_update_roots=[str(model_dirs["b"].parent / "wide")])
     roots = allowed_roots(model_dirs["a"], settings)
     assert roots == [model_dirs["a"].resolve(), (tmp_path / "cache").resolve(), (model_dirs["b"].parent / "wide").resolve()]
     (tmp_path / "escape").symlink_to(model_dirs["b"])  # b exists, but is not below a root
@@ -183,23 +186,22 @@ def test_broadcast_updates_over_a_gloo_group(model_dirs, sglang_style) -> None:
     wrong = torch.ones(7)
     trainer = threading.Thread(target=_trainer_group, args=(port, name, [norm, wrong], sglang_style))
     trainer.start()
-    joined = control.handle("init_weights_update_group", {"master_address": "127.0.0.1", "master_port": port,
-                                                          "rank_offset": 1, "world_size": 2, "group_name": name,
-                                                          "backend": "gloo"})
+    joined = control.handle(p.InitWeightsUpdateGroup("127.0.0.1", port, rank_offset=1, world_size=2, group_name=name,
+                                                     backend="gloo"))
     assert "rank 1 of 2" in joined
-    args = {"group_name": name, "names": ["model.norm.weight"], "dtypes": ["bfloat16"], "shapes": [[64]]}
-    assert control.handle("update_weights_from_distributed", args) == "Updated 1 tensors."
+    op = p.UpdateWeightsFromDistributed(["model.norm.weight"], ["bfloat16"], [[64]], group_name=name)
+    assert control.handle(op) == "Updated 1 tensors."
     assert torch.all(model.model.norm.weight == 2.0)
     # A broadcast whose announced shape does not fit: received in full (the trainer is not left hanging),
     # then refused as a whole.
-    bad = {**args, "names": ["model.norm.weight"], "shapes": [[7]], "dtypes": ["torch.float32"]}
+    bad = dataclasses.replace(op, shapes=[[7]], dtypes=["torch.float32"])
     with pytest.raises(UpdateError, match="has shape \\[7\\]"):
-        control.handle("update_weights_from_distributed", bad)
+        control.handle(bad)
     trainer.join(30)
     assert not trainer.is_alive() and torch.all(model.model.norm.weight == 2.0)
-    assert control.handle("destroy_weights_update_group", {"group_name": name}).startswith("Destroyed")
+    assert control.handle(p.DestroyWeightsUpdateGroup(name)).startswith("Destroyed")
     with pytest.raises(UpdateError, match="no weight update group"):
-        control.handle("update_weights_from_distributed", args)
+        control.handle(op)
 
 
 def test_group_arguments_are_checked() -> None:
@@ -217,5 +219,4 @@ def test_quantized_models_refuse_weight_changes(model_dirs) -> None:
     model, _ = loaded(model_dirs["a"])
     runner = SimpleNamespace(tp=SINGLE, device=torch.device("cpu"), model=model, quant_scheme=object())
     with pytest.raises(UpdateError, match="quantized"):
-        WeightControl(runner).handle("update_weights_from_tensor", {"tensors": save({"model.norm.weight":
-                                                                                     torch.ones(64)})})
+        WeightControl(runner).handle(p.UpdateWeightsFromTensor(save({"model.norm.weight": torch.ones(64)})))

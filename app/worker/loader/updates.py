@@ -26,6 +26,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load as load_safetensors
 
+from app.config.settings import Settings
+from app.protocol import (
+    ControlOp,
+    DestroyWeightsUpdateGroup,
+    InitWeightsUpdateGroup,
+    UpdateWeightsFromDisk,
+    UpdateWeightsFromDistributed,
+    UpdateWeightsFromTensor,
+)
 from app.worker.layers import SHARD_ROWS
 from app.worker.layers.linear import SHARD_VIEW, TPSlice, tp_slice
 from app.worker.loader.hf_config import load_hf_config
@@ -162,7 +171,7 @@ def _header_entries(load_format: str, files: list[Path]) -> Iterator[tuple[str, 
                 yield name, tuple(tensor.shape), _dtype_name(tensor.dtype)
 
 
-def _check_config(served: Any, model_dir: Path, settings: Any) -> None:
+def _check_config(served: Any, model_dir: Path, settings: Settings) -> None:
     new = load_hf_config(model_dir, settings.hf_overrides, settings.trust_remote_code).to_dict()
     old = served.to_dict()
     differ = [key for key in _SAME_CONFIG if old.get(key) != new.get(key)]
@@ -172,7 +181,7 @@ def _check_config(served: Any, model_dir: Path, settings: Any) -> None:
                           "serving another architecture needs a new appliance")
 
 
-def allowed_roots(served_dir: Path, settings: Any) -> list[Path]:
+def allowed_roots(served_dir: Path, settings: Settings) -> list[Path]:
     """Where update_weights_from_disk may read: the served model's directory, the download cache and
     --weight-update-roots, with symbolic links resolved."""
     from huggingface_hub.constants import HF_HUB_CACHE
@@ -185,7 +194,7 @@ def _below(path: Path, roots: list[Path]) -> bool:
     return any(path == root or root in path.parents for root in roots)
 
 
-def _update_dir(model_path: str, fmt: str, settings: Any, roots: list[Path]) -> Path:
+def _update_dir(model_path: str, fmt: str, settings: Settings, roots: list[Path]) -> Path:
     """The checkpoint directory an update reads, refused (UpdateError) unless it lies below a root. The
     check comes before any file is read, and its message is the same whether the path exists or not:
     a caller learns nothing of the file system outside the roots."""
@@ -200,7 +209,7 @@ def _update_dir(model_path: str, fmt: str, settings: Any, roots: list[Path]) -> 
     return model_dir
 
 
-def update_from_disk(model: DenseCausalLM, served_config: Any, settings: Any, model_path: str,
+def update_from_disk(model: DenseCausalLM, served_config: Any, settings: Settings, model_path: str,
                      load_format: str | None, roots: list[Path]) -> str:
     """Reload every weight from a checkpoint directory (or Hub id) of the same model, below `roots`."""
     fmt = load_format or "auto"
@@ -309,22 +318,23 @@ class WeightControl:
         self.runner = runner
         self.groups = UpdateGroups(runner.tp.rank)
 
-    def handle(self, kind: str, args: dict[str, Any]) -> str:
+    def handle(self, op: ControlOp) -> str:
+        """Run one weight operation (weight_version and flush_cache are the scheduler's, not read here)."""
         r = self.runner
         if r.device.type == "cuda":
             torch.cuda.set_device(r.device)  # this may run on a helper thread
-        if kind == "init_weights_update_group":
-            return self.groups.init(args["master_address"], int(args["master_port"]), int(args["rank_offset"]),
-                                    int(args["world_size"]), args["group_name"], args["backend"])
-        if kind == "destroy_weights_update_group":
-            return self.groups.destroy(args["group_name"])
+        if isinstance(op, InitWeightsUpdateGroup):
+            return self.groups.init(op.master_address, op.master_port, op.rank_offset, op.world_size,
+                                    op.group_name, op.backend)
+        if isinstance(op, DestroyWeightsUpdateGroup):
+            return self.groups.destroy(op.group_name)
         if getattr(r, "quant_scheme", None) is not None:
             raise UpdateError("weights not updated: updating a quantized model's weights is not supported yet")
-        if kind == "update_weights_from_disk":
+        if isinstance(op, UpdateWeightsFromDisk):
             roots = allowed_roots(r.model_dir, r.settings)
-            return update_from_disk(r.model, r.config, r.settings, args["model_path"], args.get("load_format"), roots)
-        if kind == "update_weights_from_distributed":
-            return self.groups.receive(r.model, args["group_name"], args["names"], args["dtypes"], args["shapes"])
-        if kind == "update_weights_from_tensor":
-            return update_from_tensors(r.model, list(decode_named_tensors(args["tensors"]).items()))
-        raise UpdateError(f"unknown weight operation {kind!r}")
+            return update_from_disk(r.model, r.config, r.settings, op.model_path, op.load_format, roots)
+        if isinstance(op, UpdateWeightsFromDistributed):
+            return self.groups.receive(r.model, op.group_name, op.names, op.dtypes, op.shapes)
+        if isinstance(op, UpdateWeightsFromTensor):
+            return update_from_tensors(r.model, list(decode_named_tensors(op.tensors).items()))
+        raise UpdateError(f"unknown weight operation {type(op).__name__}")

@@ -167,7 +167,7 @@ class ModelRunner:
 
     def _spec_decoder(self) -> SpecDecoder | None:
         """Speculative decoding (app/worker/spec): drafts are made and verified on the host of one rank."""
-        if getattr(self.settings, "speculative_algorithm", None) is None:  # getattr: the GPU tests' settings
+        if self.settings.speculative_algorithm is None:
             return None
         if self.tp.size > 1:
             raise ValueError("speculative decoding with --tensor-parallel-size > 1 is not supported yet")
@@ -311,14 +311,14 @@ class ModelRunner:
 
     def _register(self, seq: NewSeq) -> None:
         self.sampler.add_seq(seq.slot, seq.rid, seq.sampling, list(seq.prompt_ids), list(seq.output_ids))
-        if self.spec is not None:
-            self.spec.register(seq)
         if seq.sampling.grammar is not None and self.tp.leader:
             try:
                 self.grammar.add(seq.slot, seq.sampling.grammar, list(seq.output_ids))
             except Exception:
                 self.sampler.remove_seq(seq.slot)
                 raise
+        if self.spec is not None:  # after the grammar: a sequence it refuses is not registered anywhere
+            self.spec.register(seq)
         s = self.slots
         s.active[seq.slot] = True
         s.has_token[seq.slot] = False

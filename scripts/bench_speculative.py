@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from app import protocol as p
+from app.bench.latency import one_at_a_time
 from app.scheduler.process import MAX_INFLIGHT_STEPS
-from app.scheduler.scheduler import Scheduler, SchedulerConfig
 from app.worker.model_runner import ModelRunner
 from app.worker.process import StepPipeline
 
@@ -98,13 +98,7 @@ def prompt_ids(model: Path) -> list[int]:
 
 def generate(runner: ModelRunner, prompt: list[int], max_new: int, spec_k: int) -> dict[str, Any]:
     """One request start to end, driven as the appliance's scheduler loop drives it."""
-    ready = runner.ready_message()
-    config = SchedulerConfig(num_blocks=ready.num_blocks, block_size=ready.block_size,
-                             max_model_len=ready.max_model_len, max_num_seqs=1, chunked_prefill_size=2048,
-                             max_prefill_tokens=2048, enable_prefix_caching=False,
-                             eos_token_ids=tuple(ready.eos_token_ids), num_speculative_tokens=spec_k)
-    scheduler = Scheduler(config)
-    scheduler.take_counters()
+    scheduler = one_at_a_time(runner, 2048, spec_k)
     scheduler.add_request(p.TokenizedRequest("bench", prompt, p.SamplingParams(max_new_tokens=max_new, temperature=0)))
     depth = 1 if spec_k else MAX_INFLIGHT_STEPS
     results: deque[p.StepResult] = deque()

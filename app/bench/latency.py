@@ -135,6 +135,20 @@ def make_runner(settings: Settings, device: torch.device, tensor_parallel_size: 
     return runner
 
 
+def one_at_a_time(runner: Any, chunk_tokens: int, num_speculative_tokens: int = 0) -> Any:
+    """A Scheduler over the runner's pool that runs one sequence at a time (the benchmarks of one stream),
+    its counters started."""
+    from app.scheduler.scheduler import Scheduler, SchedulerConfig
+
+    ready = runner.ready_message()
+    scheduler = Scheduler(SchedulerConfig(
+        num_blocks=ready.num_blocks, block_size=ready.block_size, max_model_len=ready.max_model_len, max_num_seqs=1,
+        chunked_prefill_size=chunk_tokens, max_prefill_tokens=chunk_tokens, enable_prefix_caching=False,
+        eos_token_ids=tuple(ready.eos_token_ids), num_speculative_tokens=num_speculative_tokens))
+    scheduler.take_counters()
+    return scheduler
+
+
 def tp_size(runner: Any) -> int:
     return runner.tp.size
 

@@ -35,8 +35,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from app import protocol as p  # noqa: E402
-from app.bench.latency import add_common_flags, close_runner, make_runner, runner_settings, sync  # noqa: E402
-from app.scheduler.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from app.bench.latency import (  # noqa: E402
+    add_common_flags,
+    close_runner,
+    make_runner,
+    one_at_a_time,
+    runner_settings,
+    sync,
+)
 from app.worker.spec.proposer import Draft, Proposer, TargetStep  # noqa: E402
 
 
@@ -71,13 +77,7 @@ class ForcedDrafts(Proposer):
 
 def timed_steps(runner: Any, args: argparse.Namespace, k: int) -> dict[str, Any]:
     """One request decoded step by step; per-step wall ms (device synchronised) by kind."""
-    ready = runner.ready_message()
-    config = SchedulerConfig(num_blocks=ready.num_blocks, block_size=ready.block_size,
-                             max_model_len=ready.max_model_len, max_num_seqs=1, chunked_prefill_size=8192,
-                             max_prefill_tokens=8192, enable_prefix_caching=False,
-                             eos_token_ids=tuple(ready.eos_token_ids), num_speculative_tokens=k)
-    scheduler = Scheduler(config)
-    scheduler.take_counters()
+    scheduler = one_at_a_time(runner, 8192, k)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, runner.vocab_size, (args.input_len,), generator=gen).tolist()
     max_new = (args.steps + args.warmup_steps + 2) * (k + 1)

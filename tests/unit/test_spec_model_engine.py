@@ -14,7 +14,7 @@ from app.worker.model_runner import ModelRunner
 from tests.support.eagle3_factory import build_eagle3_head
 from tests.support.model_factory import build_tiny_model
 from tests.unit.test_model_runner import make_settings
-from tests.unit.test_speculative_engine import CPU, Engine, K, prompts
+from tests.unit.test_speculative_engine import CPU, Engine, K, aborts_and_preemption, prompts
 
 COMMON = {"max_num_seqs": 4, "chunked_prefill_size": 32, "max_model_len": 160, "seed": 0}
 
@@ -82,22 +82,7 @@ def test_eagle3_head_is_greedy(runners: dict[str, ModelRunner]) -> None:
 
 @pytest.mark.parametrize("method", ["draft", "eagle3"])
 def test_pool_returns_to_zero_after_aborts_and_preemption(runners: dict[str, ModelRunner], method: str) -> None:
-    """A pool of 24 blocks of 4 tokens for four requests: preemption is certain, two are aborted; the
-    others' outputs stay the greedy ones (Engine.drain checks the pool and the slots)."""
-    ps = prompts(runners["plain"].vocab_size)
-    want, _ = outputs(runners["plain"], False, {"a": ps["loop"], "b": ps["short"]})
-    engine = Engine(runners[method], True, num_blocks=24)
-    engine.add("a", ps["loop"], max_new_tokens=30, ignore_eos=True)
-    engine.add("b", ps["short"], max_new_tokens=30, ignore_eos=True)
-    engine.add("c", ps["loop"][:20], max_new_tokens=60, ignore_eos=True)
-    engine.add("d", ps["long"], max_new_tokens=40, ignore_eos=True)
-    for _ in range(12):
-        engine.step()
-    engine.scheduler.abort("c")
-    engine.scheduler.abort("d")
-    engine.run()
-    assert engine.scheduler.num_preemptions > 0
-    assert engine.outputs["a"] == want["a"] and engine.outputs["b"] == want["b"]
+    aborts_and_preemption(runners["plain"], runners[method])
 
 
 @pytest.mark.parametrize("method", ["draft", "eagle3"])

@@ -138,16 +138,16 @@ def test_stop_ids_and_max_tokens_match_the_plain_engine(runners: dict[bool, Mode
             assert engine.outputs[f"len{n}"] == reference[:n] and engine.finish[f"len{n}"] == p.FINISH_LENGTH
 
 
-def test_pool_returns_to_zero_after_aborts_and_preemption(runners: dict[bool, ModelRunner]) -> None:
+def aborts_and_preemption(plain: ModelRunner, speculating: ModelRunner) -> None:
     """A pool of 24 blocks of 4 tokens for four requests of 35 to 85 tokens: preemption is certain; two
-    are aborted mid-decode. The outputs of the others stay the greedy ones."""
-    vocab = runners[True].vocab_size
-    ps = prompts(vocab)
-    reference = Engine(runners[False], False)
-    for rid in ("a", "b"):
-        reference.add(rid, ps["loop"] if rid == "a" else ps["short"], max_new_tokens=30, ignore_eos=True)
+    are aborted mid-decode. The outputs of the others stay the greedy ones (Engine.drain checks the pool
+    and the slots)."""
+    ps = prompts(plain.vocab_size)
+    reference = Engine(plain, False)
+    reference.add("a", ps["loop"], max_new_tokens=30, ignore_eos=True)
+    reference.add("b", ps["short"], max_new_tokens=30, ignore_eos=True)
     reference.run()
-    engine = Engine(runners[True], True, num_blocks=24)
+    engine = Engine(speculating, True, num_blocks=24)
     engine.add("a", ps["loop"], max_new_tokens=30, ignore_eos=True)
     engine.add("b", ps["short"], max_new_tokens=30, ignore_eos=True)
     engine.add("c", ps["loop"][:20], max_new_tokens=60, ignore_eos=True)
@@ -159,6 +159,10 @@ def test_pool_returns_to_zero_after_aborts_and_preemption(runners: dict[bool, Mo
     engine.run()
     assert engine.scheduler.num_preemptions > 0
     assert engine.outputs["a"] == reference.outputs["a"] and engine.outputs["b"] == reference.outputs["b"]
+
+
+def test_pool_returns_to_zero_after_aborts_and_preemption(runners: dict[bool, ModelRunner]) -> None:
+    aborts_and_preemption(runners[False], runners[True])
 
 
 def test_rows_that_need_per_token_state_do_not_draft(runners: dict[bool, ModelRunner]) -> None:

@@ -62,6 +62,7 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
         decode_attention,
         fp8_quant,
         gemv,
+        grammar_mask,
         greedy,
         kv_write,
         moe,
@@ -83,6 +84,9 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
         out.append((f"silu_and_mul {dtype}", lambda x=x: activation.silu_and_mul(x)))
         logits = torch.zeros(2, 5000, dtype=dtype)
         out.append((f"greedy_tokens {dtype}", lambda logits=logits: greedy.greedy_tokens(logits)))
+        bitmask, rows = torch.zeros(1, 157, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+        out.append((f"grammar apply_bitmask {dtype}",
+                    lambda logits=logits, b=bitmask, r=rows: grammar_mask.apply_bitmask(logits, b, r)))
         out += fused_fp8_cases(dtype, rmsnorm, activation, fp8_quant)
         q = torch.zeros(tokens, heads, dim, dtype=dtype)
         k = torch.zeros(tokens, kv_heads, dim, dtype=dtype)

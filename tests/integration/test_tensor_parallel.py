@@ -12,7 +12,9 @@ from tests.support.appliance import Appliance, free_port
 FLAGS = ("--block-size", "4", "--chunked-prefill-size", "24", "--max-total-tokens", "2048")
 
 
-@pytest.mark.parametrize(("arch", "tp", "dp"), [("llama", 2, 1), ("qwen3", 2, 1), ("qwen2", 4, 1), ("llama", 2, 2)])
+# TP alone (qwen3, 2), four ranks (qwen2, 4), TP under DP (llama, 2 x 2); tests/unit/test_tensor_parallel.py
+# covers each family at TP 2 in one process.
+@pytest.mark.parametrize(("arch", "tp", "dp"), [("qwen3", 2, 1), ("qwen2", 4, 1), ("llama", 2, 2)])
 def test_tp_greedy_matches_transformers(arch: str, tp: int, dp: int, tiny_model_dirs, log_dir) -> None:
     model_dir = tiny_model_dirs[arch]
     prompts = prompts_for(400)

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoModelForCausalLM, GenerationConfig
 
 from app.config import Settings
 from app.protocol import NewSeq, SamplingParams, SeqChunk, StepPlan, StepResult
@@ -353,33 +352,6 @@ def test_unknown_backends_are_refused(llama_dir: Path, monkeypatch: pytest.Monke
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # triton runs on the CPU only under the interpreter
     with pytest.raises(ValueError, match="attention backend"):
         ModelRunner(make_settings(llama_dir).model_copy(update={"attention_backend": "triton"}), CPU)
-
-
-SMOLLM_DIR = os.environ.get("TOKENSPEED_DEFAULT_MODEL_DIR")
-
-
-@pytest.mark.slow  # SmolLM2-135M and transformers
-@pytest.mark.skipif(
-    not SMOLLM_DIR or not Path(SMOLLM_DIR).is_dir(),
-    reason="TOKENSPEED_DEFAULT_MODEL_DIR is not a prepared model",
-)
-def test_default_model_greedy_parity() -> None:
-    model_dir = Path(SMOLLM_DIR or "")
-    runner = ModelRunner(
-        make_settings(model_dir, block_size=16, chunked_prefill_size=64, max_model_len=256), CPU
-    )
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    chat = [{"role": "user", "content": "What is the capital of France?"}]
-    prompts = [
-        tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False),
-        tokenizer("The quick brown fox")["input_ids"],
-    ]
-    sched = ScriptedScheduler(runner, budget=64)
-    for i, prompt in enumerate(prompts):
-        sched.add(Request(f"p{i}", prompt, max_new=32, join_step=i))
-    outputs = sched.run()
-    for i, prompt in enumerate(prompts):
-        assert outputs[f"p{i}"] == hf_greedy(model_dir, prompt, 32), f"p{i}"
 
 
 def test_default_flashinfer_falls_back_to_triton_when_its_kernels_cannot_load(monkeypatch, caplog) -> None:

@@ -124,7 +124,7 @@ def run_group(model_dir: Path, size: int, prompts: list[list[int]],
                 proc.join()
 
 
-@pytest.mark.parametrize(("arch", "size"), [("llama", 2), ("qwen2", 2), ("qwen3", 2), ("llama", 4)])
+@pytest.mark.parametrize(("arch", "size"), [("llama", 2), ("qwen2", 2), ("qwen3", 2)])  # 4 ranks: the integration test
 def test_tp_shards_and_greedy_outputs_match_one_process(arch: str, size: int, tmp_path: Path) -> None:
     model_dir = build_tiny_model(arch, tmp_path / arch, seed=3)
     single = ModelRunner(make_settings(model_dir), CPU)

@@ -8,6 +8,7 @@ import pytest
 
 from tests.integration.test_golden_parity import NEW_TOKENS, hf_greedy, prompts_for, served_greedy
 from tests.support.appliance import Appliance, free_port
+from tests.support.model_factory import build_tiny_model
 
 FLAGS = ("--block-size", "4", "--chunked-prefill-size", "24", "--max-total-tokens", "2048")
 
@@ -26,17 +27,14 @@ def test_tp_greedy_matches_transformers(arch: str, tp: int, dp: int, tiny_model_
     assert logs.count(f"tensor parallel rank {tp - 1} of {tp} joined") == dp
 
 
-def test_smollm2_tp3_matches_transformers(smollm2_dir, log_dir) -> None:
-    """SmolLM2-135M has 9 query and 3 KV heads: TP 3 is the size that divides them (2 is refused)."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(smollm2_dir)
-    prompts = [tok(t)["input_ids"] for t in ("The capital of France is", "def fibonacci(n):")]
-    expected = hf_greedy(smollm2_dir, prompts, 16)
-    with Appliance(smollm2_dir, "--tp", "3", "--dtype", "float32", "--max-total-tokens", "2048", "--max-model-len", "512",
-                   log_dir=log_dir) as app:
-        got = served_greedy(app, prompts, 16)
-    assert got == expected
+def test_tp3_matches_transformers(tmp_path, log_dir) -> None:
+    """6 query and 3 KV heads, 96 MLP rows (as SmolLM2's 9 and 3 heads): TP 3, a size that is no power of two."""
+    model_dir = build_tiny_model("llama", tmp_path / "tp3", seed=2, hidden_size=96, num_attention_heads=6,
+                                 num_key_value_heads=3, intermediate_size=96)
+    prompts = prompts_for(400)[:2]
+    expected = hf_greedy(model_dir, prompts, NEW_TOKENS)
+    with Appliance(model_dir, "--tp", "3", *FLAGS, log_dir=log_dir) as app:
+        assert served_greedy(app, prompts, NEW_TOKENS) == expected
 
 
 def test_a_tp_size_that_does_not_divide_the_heads_stops_start_up(smollm2_dir, log_dir) -> None:

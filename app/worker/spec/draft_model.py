@@ -12,6 +12,7 @@ full (the draft recomputes it, in forwards of at most the step's token budget).
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -97,15 +98,20 @@ class DraftModelProposer(ChainDrafter):
         return num_tokens - 1 + j  # step j feeds draft j after the last committed token
 
 
+def resolve_draft(settings: Settings) -> tuple[Path, Any]:
+    """The draft's (or EAGLE-3 head's) directory, a Hub id read from the supervisor's copy, and its config."""
+    model_dir = resolve_model_path(settings.speculative_draft_model_path, draft_load_format(settings.load_format),
+                                   None, settings.download_dir, settings.trust_remote_code)
+    return model_dir, load_hf_config(model_dir, None, settings.trust_remote_code)
+
+
 def load_draft_model(settings: Settings, target_config: Any, device: torch.device, dtype: torch.dtype,
                      max_model_len: int) -> DenseCausalLM:
     """The draft model, checked against the target: a supported dense family, the same vocabulary, a
     context at least the target's --max-model-len."""
     flag = "--speculative-draft-model-path"  # Settings checked it is set, and the quantization
     path = settings.speculative_draft_model_path
-    model_dir = resolve_model_path(path, draft_load_format(settings.load_format), None, settings.download_dir,
-                                   settings.trust_remote_code)
-    config = load_hf_config(model_dir, None, settings.trust_remote_code)
+    model_dir, config = resolve_draft(settings)
     if int(config.vocab_size) != int(target_config.vocab_size):
         raise ValueError(f"{flag} {path}: its vocabulary ({config.vocab_size} tokens) differs from the target's "
                          f"({target_config.vocab_size}); a draft model must share the target's tokenizer")

@@ -20,10 +20,10 @@ from app.config.settings import Settings
 from app.model_files import draft_load_format
 from app.worker.attention import AttentionMetadata, AttentionSpec
 from app.worker.kv_cache import KVCacheSpec
-from app.worker.loader import load_hf_config, resolve_model_path
 from app.worker.loader.eagle3 import load_eagle3_weights
 from app.worker.models.dense import DenseCausalLM
 from app.worker.models.eagle3 import Eagle3Head, capture_indices
+from app.worker.spec.draft_model import resolve_draft
 from app.worker.spec.drafter import ChainDrafter, Feed
 from app.worker.spec.proposer import TargetStep
 
@@ -42,9 +42,7 @@ class Eagle3Proposer(ChainDrafter):
              max_model_len: int, max_slots: int, max_tokens: int) -> Eagle3Proposer:
         path = settings.speculative_draft_model_path  # Settings checked it is set, and unquantized
         capture = capture_indices(settings.eagle3_layers_to_capture, target.dims.num_layers)
-        model_dir = resolve_model_path(path, draft_load_format(settings.load_format), None, settings.download_dir,
-                                       settings.trust_remote_code)
-        config = load_hf_config(model_dir, None, settings.trust_remote_code)
+        model_dir, config = resolve_draft(settings)
         try:
             with torch.device(device):
                 head = Eagle3Head(config, dtype, max_model_len, target.model.embed_tokens)

@@ -4,10 +4,15 @@ Decode steps (every sequence feeds one token) of up to the largest capture size 
 graph of the model's forward and LM head. A batch of B sequences runs the graph of the smallest
 captured size G >= B; the G - B pad rows read and write only a scratch block (the KV cache holds one
 block beyond the pool the scheduler manages), with a context of one token. Everything the graph
-reads lives in persistent buffers updated in place before each replay (input ids, positions, KV
-slots, block tables, context lengths); the attention backend re-plans what it plans on the host
+reads lives in persistent buffers updated in place before each replay (input ids, block tables,
+context lengths; the graph derives positions and KV slots from them); the attention backend re-plans what it plans on the host
 (prepare_replay). Logits land in one static [G_max, vocab] buffer shared by all graphs; sampling
 runs outside the graph.
+
+A row is one fed token of a sequence, at the position its context length says. A speculative verify
+row (a sequence feeding its last token and m drafts) therefore runs as m + 1 rows of one slot with
+context lengths L - m .. L: every layer writes all rows' K/V before it attends, so each row sees the
+tokens before it and none after, the causal mask of an extend, at the cost of a decode batch.
 
 All graphs share one memory pool, captured largest first so the smaller ones reuse its blocks; they
 never run concurrently.
@@ -155,7 +160,17 @@ class DecodeGraphs(CapturedSizes):
             block_size=self.block_size,
         )
 
+    def locate(self, size: int) -> None:
+        """The rows' positions and KV slots from the staged lengths and block tables. Part of the graph
+        (fewer launches a step): only the model reads them, no backend plans with them."""
+        positions = self.positions[:size]
+        torch.sub(self.seq_lens[:size], 1, out=positions)
+        blocks = self.block_tables[:size].gather(1, (positions // self.block_size).unsqueeze(1)).squeeze(1)
+        torch.add(positions % self.block_size, blocks.to(torch.int64) * self.block_size,
+                  out=self.slot_mapping[:size])
+
     def _forward(self, size: int, meta: AttentionMetadata) -> None:
+        self.locate(size)
         if self.aux is None:
             hidden = self.model(self.input_ids[:size], self.positions[:size], meta)
         else:
@@ -189,11 +204,13 @@ class DecodeGraphs(CapturedSizes):
         slots: list[int],
         seq_lens: list[int],
         block_tables: torch.Tensor,
-        last_token: torch.Tensor,
+        last_token: torch.Tensor | None,
+        input_ids: torch.Tensor | None = None,
     ) -> int:
         """Write one decode step into the persistent buffers: rows [0, B) are the slots (context lengths
         after the step), rows [B, G) pad rows on the scratch block. block_tables [max_slots, W] and
-        last_token [max_slots] are the runner's per-slot device state. Returns G."""
+        last_token [max_slots] are the runner's per-slot device state; input_ids [B], where given, are
+        the rows' tokens instead of each slot's last_token. Returns G."""
         num = len(slots)
         size = self.size_for(num)
         if size is None:
@@ -202,19 +219,15 @@ class DecodeGraphs(CapturedSizes):
         dev = upload([seq_lens + [1] * pad, slots + [0] * pad], torch.int64, self.device)
         lens, index = dev[0], dev[1, :num]
         self.seq_lens[:size].copy_(lens)
-        torch.sub(lens, 1, out=self.positions[:size])
         torch.index_select(block_tables, 0, index, out=self.block_tables[:num])
-        torch.index_select(last_token, 0, index, out=self.input_ids[:num])
+        if input_ids is not None:
+            self.input_ids[:num].copy_(input_ids)
+        else:
+            assert last_token is not None, "stage needs the rows' tokens: last_token or input_ids"
+            torch.index_select(last_token, 0, index, out=self.input_ids[:num])
         if pad:
             self.block_tables[num:size, 0] = self.scratch_block
             self.input_ids[num:size] = 0
-        positions = self.positions[:size]
-        blocks = self.block_tables[:size].gather(1, (positions // self.block_size).unsqueeze(1)).squeeze(1)
-        torch.add(
-            positions % self.block_size,
-            blocks.to(torch.int64) * self.block_size,
-            out=self.slot_mapping[:size],
-        )
         return size
 
     def run(
@@ -222,11 +235,12 @@ class DecodeGraphs(CapturedSizes):
         slots: list[int],
         seq_lens: list[int],
         block_tables: torch.Tensor,
-        last_token: torch.Tensor,
+        last_token: torch.Tensor | None,
+        input_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One decode step (see stage); returns logits [B, vocab], a view of the static buffer that the
         next replay overwrites."""
-        size = self.stage(slots, seq_lens, block_tables, last_token)
+        size = self.stage(slots, seq_lens, block_tables, last_token, input_ids)
         captured = self.graphs[size]
         captured.batch.seq_lens = seq_lens + [1] * (size - len(slots))
         self.fence.before_plan()

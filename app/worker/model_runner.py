@@ -350,13 +350,8 @@ class ModelRunner:
         chunks, verify = self.spec.expand(plan.chunks) if self.spec is not None else (plan.chunks, VerifyRows())
         step = lay_out(chunks, s.seq_len, self._prompt_want)
         num_sampled = verify.take_rows(step)  # verify rows: logits at every fed position, verified, not sampled
-        if self._graphable(step):
-            for slot, length in zip(step.slots, step.seq_lens, strict=True):
-                s.seq_len[slot] = length  # the graph's own buffers get the lengths on the device
-            logits = self.graphs.run(step.slots, step.seq_lens, s.block_tables, s.last_token)
-            prompt = None  # decode rows only: no prompt position
-            if self.graphs.aux is not None:  # a copy: the next replay rewrites the buffer
-                step.aux_hidden = self.graphs.aux[: len(step.slots)].clone()
+        if self._graphable(step, verify):
+            logits, prompt = self._graph_logits(step), None  # no prompt position in a graphed step
         else:
             logits, prompt = self._eager_logits(step)
         for chunk in plan.chunks:  # fed tokens supersede a sampled one; sampling below sets it again
@@ -398,24 +393,47 @@ class ModelRunner:
             pending.grammar = constrained
         return pending
 
-    def _graphable(self, step: StepBatch) -> bool:
-        """A decode-only step that a captured graph covers (its rows all sample, in step order)."""
-        return (
-            self.graphs is not None
-            and len(step.decode_rows) == len(step.slots)
-            and self.graphs.size_for(len(step.slots)) is not None
-        )
+    def _graphable(self, step: StepBatch, verify: VerifyRows) -> bool:
+        """A step a captured decode graph covers, one graph row per fed token (cuda_graphs.py): decodes,
+        and verify rows feeding their drafts."""
+        if self.graphs is None or step.prompt.rows or self.graphs.size_for(len(step.token_ids)) is None:
+            return False
+        verifying = set(verify.slots)
+        return all(n == 1 or slot in verifying for slot, n in zip(step.slots, step.query_lens, strict=True))
+
+    def _graph_logits(self, step: StepBatch) -> torch.Tensor | None:
+        """Replay the decode graph that holds the step's rows: logits of the rows that sample."""
+        s = self.slots
+        for slot, length in zip(step.slots, step.seq_lens, strict=True):
+            s.seq_len[slot] = length  # the graph's own buffers get the lengths on the device
+        if len(step.decode_rows) == len(step.token_ids):  # decodes alone: every row samples, in order
+            logits = self.graphs.run(step.slots, step.seq_lens, s.block_tables, s.last_token)
+        else:
+            row_slots = [slot for slot, n in zip(step.slots, step.query_lens, strict=True) for _ in range(n)]
+            row_lens = [length - n + 1 + j for length, n in zip(step.seq_lens, step.query_lens, strict=True)
+                        for j in range(n)]
+            input_ids, sample_rows = self._input_ids(step)
+            logits = self.graphs.run(row_slots, row_lens, s.block_tables, None, input_ids)
+            logits = logits.index_select(0, sample_rows) if step.sample_rows else None
+        if self.graphs.aux is not None:  # a copy: the next replay rewrites the buffer
+            step.aux_hidden = self.graphs.aux[: len(step.token_ids)].clone()
+        return logits
+
+    def _input_ids(self, step: StepBatch, *extra: list[int]) -> tuple[torch.Tensor, ...]:
+        """The step's fed tokens on the device (decode rows: their slot's last sampled token), its
+        sample rows and any extra index lists, in one upload (no host sync)."""
+        parts = [step.token_ids, step.decode_rows, step.decode_slots, step.sample_rows, *extra]
+        ids = upload([i for part in parts for i in part], torch.int64, self.device)
+        input_ids, decode_rows, decode_slots, sample_rows, *rest = ids.split(list(map(len, parts)))
+        if step.decode_rows:
+            input_ids.index_copy_(0, decode_rows, self.slots.last_token.index_select(0, decode_slots))
+        return input_ids, sample_rows, *rest
 
     def _eager_logits(self, step: StepBatch) -> tuple[torch.Tensor | None, PromptLogprobs | None]:
         """Run the step's flat batch eagerly: logits of the rows that sample (None if none does) and the
         prompt logprobs of the rows that ask (None if none does), from the same hidden states."""
         s = self.slots
-        # One upload for every index of the step (no host sync): split into its parts on the device.
-        parts = [step.token_ids, step.decode_rows, step.decode_slots, step.slots, step.sample_rows]
-        ids = upload([i for part in parts for i in part], torch.int64, self.device)
-        input_ids, decode_rows, decode_slots, slot_index, sample_rows = ids.split(list(map(len, parts)))
-        if step.decode_rows:
-            input_ids.index_copy_(0, decode_rows, s.last_token.index_select(0, decode_slots))
+        input_ids, sample_rows, slot_index = self._input_ids(step, step.slots)
         s.set_lengths(step.slots, step.seq_lens)
         batch = build_attention_batch(
             s.block_tables.index_select(0, slot_index),

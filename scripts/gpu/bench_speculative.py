@@ -1,21 +1,25 @@
 #!/usr/bin/env python3
-"""Speculative decoding's verify cost: a step that verifies k + 1 positions of one sequence against a
-plain decode step, at batch 1.
+"""Speculative decoding's cost a step at batch 1: a step that verifies k + 1 positions of one sequence
+against a plain decode step, and a whole EAGLE-3 round.
 
 In process, the real Scheduler driving a ModelRunner (as `tokenspeed bench offline` does), one request of
---input-len random tokens decoding --steps steps, once without speculation (the decode step replays its
-CUDA graph) and once with NGRAM and --num-steps k drafts a step (the verify row is an extend of k + 1
-positions: a piecewise-graph step where the runner has them, else eager). Dummy weights cannot show real
-acceptance, so the drafts are forced: the proposer is wrapped to always offer k tokens (the n-gram's
-when it finds some, else the last token repeated), and every verify step runs its k + 1 positions.
+--input-len random tokens decoding --steps steps: without speculation (the decode step replays its CUDA
+graph), with NGRAM and --num-steps k drafts a step (the verify row's k + 1 positions replay the decode
+graph of k + 1 rows where graphs are captured: app/worker/cuda_graphs.py), and with --eagle3, with an
+EAGLE-3 head of the published layout for the target (dummy weights, --draft-vocab-size): a step there is
+a whole round (the chain's drafts, the verify, the head's catch-up over the kept positions). Dummy
+weights cannot show real acceptance, so NGRAM's drafts are forced: the proposer is wrapped to always
+offer k tokens (the n-gram's when it finds some, else the last token repeated), and every verify step
+runs its k + 1 positions; the head's chain always drafts k.
 Reported: the median ms of a whole step (plan, launch, forward, acceptance, read-back, result) of each
-kind, their ratio (the issue's goal: <= 1.15x), and a projection of batch-1 tok/s at a given acceptance
-length from those two measured costs (tokens a step / verify step time: the papers' way; a projection,
-not a measurement). JSON goes to $OUT (or --json) and a table to stdout.
+kind, the verify's ratio to the decode step (the issue's goal: <= 1.15x), and the batch-1 tok/s
+projected at a given acceptance length from the measured round (tokens a round / round time: the
+papers' way; a projection, not a measurement). JSON goes to $OUT (or --json) and a table to stdout.
 
   python scripts/gpu/bench_speculative.py --model configs/models/llama-3.1-8b --load-format dummy \\
-      --dtype bfloat16
-  (CPU check: --model <a tiny model dir> --device cpu --steps 8 --input-len 32)
+      --dtype bfloat16 --eagle3
+  (CPU check: --model <a tiny model dir> --load-format dummy --device cpu --steps 8 --input-len 32
+   [--eagle3 --draft-vocab-size 40])
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -43,7 +48,11 @@ from app.bench.latency import (  # noqa: E402
     runner_settings,
     sync,
 )
+from app.worker.loader import load_hf_config  # noqa: E402
 from app.worker.spec.proposer import Draft, Proposer, TargetStep  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_eagle3 import head_config  # noqa: E402
 
 
 class ForcedDrafts(Proposer):
@@ -105,6 +114,27 @@ def timed_steps(runner: Any, args: argparse.Namespace, k: int) -> dict[str, Any]
             "accepted": counters.spec_accepted_tokens}
 
 
+def measure(args: argparse.Namespace, device: torch.device, method: str, k: int, **extra: Any) -> dict[str, Any]:
+    """One runner (a plain one for k = 0), its steps timed, then freed: the next one sizes its pool
+    from the free memory."""
+    need = args.input_len + (args.steps + args.warmup_steps + 2) * (args.num_steps + 1) + 8
+    need = -(-need // args.block_size) * args.block_size  # whole blocks: the CPU pool is seqs x max_model_len
+    spec = {"speculative_algorithm": method, "speculative_num_steps": k, **extra} if k else {}
+    settings = runner_settings(args, max_num_seqs=1, max_model_len=args.max_model_len or need,
+                               chunked_prefill_size=max(8192, args.input_len), **spec)
+    runner = make_runner(settings, device)
+    if method == "NGRAM" and k:
+        runner.spec.proposer = ForcedDrafts(runner.spec.proposer)
+    with torch.inference_mode():
+        result = timed_steps(runner, args, k)
+    result["cuda_graphs"] = runner.graphs is not None
+    close_runner(runner)
+    del runner
+    gc.collect()
+    torch.cuda.empty_cache() if device.type == "cuda" else None
+    return result
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_flags(parser)
@@ -114,48 +144,49 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-steps", type=int, default=3, help="k: draft tokens a verify step checks")
     parser.add_argument("--acceptance-length", type=float, default=3.5,
                         help="tokens a verify step gives, for the projection")
+    parser.add_argument("--eagle3", action="store_true", help="also time whole EAGLE-3 rounds (dummy head)")
+    parser.add_argument("--draft-vocab-size", type=int, default=32000, help="the EAGLE-3 head's vocabulary")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    need = args.input_len + (args.steps + args.warmup_steps + 2) * (args.num_steps + 1) + 8
-    need = -(-need // args.block_size) * args.block_size  # whole blocks: the CPU pool is seqs x max_model_len
-    results: dict[str, Any] = {}
-    for k in (0, args.num_steps):
-        extra = {"speculative_algorithm": "NGRAM", "speculative_num_steps": k} if k else {}
-        settings = runner_settings(args, max_num_seqs=1, max_model_len=args.max_model_len or need,
-                                   chunked_prefill_size=max(8192, args.input_len), **extra)
-        runner = make_runner(settings, device)
-        if k:
-            runner.spec.proposer = ForcedDrafts(runner.spec.proposer)
-        with torch.inference_mode():
-            results[k] = timed_steps(runner, args, k)
-        results[k]["cuda_graphs"] = runner.graphs is not None
-        results[k]["piecewise_graphs"] = runner.pieces is not None
-        close_runner(runner)
-        del runner  # the next runner sizes its pool from the free memory: this one's must be gone
-        gc.collect()
-        torch.cuda.empty_cache() if device.type == "cuda" else None
-    decode_ms = statistics.median(results[0]["times"]["decode"])
-    verify_ms = statistics.median(results[args.num_steps]["times"]["verify"])
+    k = args.num_steps
+    results = {"decode": measure(args, device, "", 0), "ngram": measure(args, device, "NGRAM", k)}
+    if args.eagle3:
+        with tempfile.TemporaryDirectory() as head:
+            target = load_hf_config(Path(args.model))
+            (Path(head) / "config.json").write_text(json.dumps(head_config(target, args.draft_vocab_size)))
+            results["eagle3"] = measure(args, device, "EAGLE3", k, speculative_draft_model_path=head)
+    decode_ms = statistics.median(results["decode"]["times"]["decode"])
+    verify_ms = statistics.median(results["ngram"]["times"]["verify"])
     ratio = verify_ms / decode_ms
-    report = {
+    report: dict[str, Any] = {
         "model": args.model, "device": str(device), "dtype": args.dtype, "input_len": args.input_len,
-        "k": args.num_steps, "positions_verified": args.num_steps + 1, "steps": args.steps,
+        "k": k, "positions_verified": k + 1, "steps": args.steps,
         "decode_step_ms": round(decode_ms, 4), "verify_step_ms": round(verify_ms, 4),
         "verify_over_decode": round(ratio, 4), "goal_verify_over_decode": 1.15,
-        "decode_tok_s": round(1e3 / decode_ms, 1),
+        "decode_tok_s": round(1e3 / decode_ms, 1), "cuda_graphs": results["decode"]["cuda_graphs"],
+        "decode_ms_all": [round(x, 4) for x in results["decode"]["times"]["decode"]],
+        "verify_ms_all": [round(x, 4) for x in results["ngram"]["times"]["verify"]],
         "projection_acceptance_length": args.acceptance_length,
-        "projected_tok_s": round(args.acceptance_length * 1e3 / verify_ms, 1),
-        "decode_graph": results[0]["cuda_graphs"], "verify_piecewise_graph": results[args.num_steps]["piecewise_graphs"],
-        "decode_ms_all": [round(x, 4) for x in results[0]["times"]["decode"]],
-        "verify_ms_all": [round(x, 4) for x in results[args.num_steps]["times"]["verify"]],
-        "dummy_acceptance": {"drafts": results[args.num_steps]["drafts"],
-                             "accepted": results[args.num_steps]["accepted"]},
     }
-    print(f"{'step':28} {'median ms':>10}")
-    print(f"{'decode (1 position)':28} {decode_ms:10.3f}")
-    print(f"{f'verify ({args.num_steps + 1} positions)':28} {verify_ms:10.3f}")
-    print(f"verify / decode = {ratio:.3f} (goal <= 1.15); projected at acceptance length {args.acceptance_length}: "
-          f"{report['projected_tok_s']} tok/s (decode alone {report['decode_tok_s']})")
+    rows = [("decode (1 position)", decode_ms), (f"verify ({k + 1} positions, n-gram)", verify_ms)]
+    if "eagle3" in results:
+        eagle = results["eagle3"]
+        round_ms = statistics.median(eagle["times"]["verify"])
+        report["eagle3"] = {
+            "draft_vocab_size": args.draft_vocab_size, "round_ms": round(round_ms, 4),
+            "round_over_decode": round(round_ms / decode_ms, 4),
+            "projected_tok_s": round(args.acceptance_length * 1e3 / round_ms, 1), "goal_tok_s": 550,
+            "round_ms_all": [round(x, 4) for x in eagle["times"]["verify"]],
+            "dummy_acceptance": {"drafts": eagle["drafts"], "accepted": eagle["accepted"]},
+        }
+        rows.append((f"EAGLE-3 round (k = {k})", round_ms))
+    print(f"{'step':34} {'median ms':>10} {'x decode':>9}")
+    for name, ms in rows:
+        print(f"{name:34} {ms:10.3f} {ms / decode_ms:9.3f}")
+    print(f"verify / decode = {ratio:.3f} (goal <= 1.15)")
+    if "eagle3" in report:
+        print(f"EAGLE-3 batch 1, PROJECTED at acceptance length {args.acceptance_length}: "
+              f"{report['eagle3']['projected_tok_s']} tok/s (goal >= 550; decode alone {report['decode_tok_s']})")
     out = args.json or (os.path.join(os.environ["OUT"], "bench_speculative.json") if os.environ.get("OUT") else None)
     if out:
         Path(out).write_text(json.dumps(report, indent=2) + "\n")

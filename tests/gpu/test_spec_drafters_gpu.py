@@ -66,18 +66,29 @@ def cuda_runners(dirs: tuple[Path, Path]) -> dict[str, Any]:
                                            speculative_draft_model_path=str(target)), CUDA),
         "eagle3": ModelRunner(make_settings(target, **common, **spec, speculative_algorithm="EAGLE3",
                                             speculative_draft_model_path=str(head)), CUDA),
+        "ngram": ModelRunner(make_settings(target, **common, **spec, speculative_algorithm="NGRAM"), CUDA),
     }
 
 
-@pytest.mark.parametrize("method", ["draft", "eagle3"])
-def test_model_drafts_are_greedy_on_the_gpu(cuda_runners: dict[str, Any], method: str) -> None:
-    """Decode graphs, piecewise graphs (verify rows, with the hidden-state capture for EAGLE-3) and the
-    drafter's own chain graphs: greedy output equals the plain engine's; a model drafting for itself is
-    accepted (almost) always."""
+@pytest.mark.parametrize("method", ["draft", "eagle3", "ngram"])
+def test_speculation_is_greedy_on_the_gpu(cuda_runners: dict[str, Any], method: str,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode graphs (verify rows beside decodes, one graph row per fed token), piecewise graphs (steps
+    with a prefill, with the hidden-state capture for EAGLE-3) and a model draft's own chain graphs:
+    greedy output equals the plain engine's; a model drafting for itself is accepted (almost) always."""
     from tests.unit.test_speculative_engine import Engine, prompts
 
     runner = cuda_runners[method]
-    assert runner.graphs is not None and runner.pieces is not None and runner.drafter.graphs is not None
+    assert runner.graphs is not None and runner.pieces is not None
+    assert method == "ngram" or runner.drafter.graphs is not None
+    replays = {"verify": 0}
+    run = runner.graphs.run
+
+    def counting_run(*args: Any) -> torch.Tensor:
+        replays["verify"] += args[4] is not None  # the fed tokens given: a step with verify rows
+        return run(*args)
+
+    monkeypatch.setattr(runner.graphs, "run", counting_run)
     outs = {}
     for name in ("plain", method):
         engine = Engine(cuda_runners[name], name != "plain")
@@ -88,5 +99,6 @@ def test_model_drafts_are_greedy_on_the_gpu(cuda_runners: dict[str, Any], method
     assert outs[method] == outs["plain"]
     counters = engine.scheduler.take_counters()
     assert counters.spec_draft_tokens > 0
+    assert replays["verify"] > 0
     if method == "draft":
         assert counters.spec_accepted_tokens / counters.spec_draft_tokens > 0.9

@@ -102,6 +102,7 @@ def test_stage_fills_rows_and_pads_onto_the_scratch_block() -> None:
     tables = torch.tensor([[0, 0, 0], [5, 6, 7], [1, 2, 0]], dtype=torch.int32)  # per slot
     last = torch.tensor([10, 11, 12])
     size = graphs.stage([2, 1], [6, 9], tables, last)
+    graphs.locate(size)  # inside the graph, at replay
     assert size == 4 and graphs.size_for(9) is None
     assert graphs.input_ids[:4].tolist() == [12, 11, 0, 0]
     assert graphs.positions[:4].tolist() == [5, 8, 0, 0]
@@ -112,6 +113,20 @@ def test_stage_fills_rows_and_pads_onto_the_scratch_block() -> None:
     # A smaller step after a larger one: stale rows beyond it are re-padded.
     graphs.stage([1, 2, 0, 1][:3], [3, 3, 3], tables, last)
     assert graphs.block_tables[3, 0] == 9 and graphs.seq_lens[3] == 1 and graphs.input_ids[3] == 0
+
+
+def test_stage_lays_a_verify_row_out_as_one_row_per_position() -> None:
+    """Slot 1 feeds its last token and two drafts at positions 4..6 (context lengths 5..7): three rows of
+    one block table, each with its own position and KV slot, the tokens as given."""
+    graphs = DecodeGraphs(_Unused(), _Unused(), [4], max_blocks=3, block_size=4, scratch_block=9,
+                          vocab_size=5, device=CPU)  # fmt: skip
+    tables = torch.tensor([[0, 0, 0], [5, 6, 7]], dtype=torch.int32)
+    size = graphs.stage([1, 1, 1], [5, 6, 7], tables, torch.zeros(2, dtype=torch.int64),
+                        input_ids=torch.tensor([21, 22, 23]))
+    graphs.locate(size)
+    assert graphs.input_ids[:4].tolist() == [21, 22, 23, 0]
+    assert graphs.positions[:3].tolist() == [4, 5, 6]
+    assert graphs.slot_mapping[:4].tolist() == [6 * 4 + 0, 6 * 4 + 1, 6 * 4 + 2, 36]
 
 
 def test_a_batch_split_attends_like_the_whole() -> None:

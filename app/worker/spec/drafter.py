@@ -23,6 +23,7 @@ a chain stops, for that slot, where the blocks the scheduler reserved for its dr
 
 from __future__ import annotations
 
+import itertools
 from abc import abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from app.worker.attention import (
 from app.worker.cuda_graphs import DecodeGraphs
 from app.worker.kv_cache import KVCache, KVCacheSpec
 from app.worker.spec.proposer import Draft, Proposer, TargetStep
+from app.worker.transfer import upload
 
 
 @dataclass
@@ -103,7 +105,6 @@ class ChainDrafter(Proposer):
         self.block_size = 0
         self.graphs: DecodeGraphs | None = None  # the chain step's, once captured
         self.step_module: _ChainStep | None = None
-        self.chain_ids = torch.zeros(max_slots, dtype=torch.int64, device=self.device)  # the graphs' input
 
     # ---- the model, per subclass
 
@@ -186,7 +187,7 @@ class ChainDrafter(Proposer):
             self._run_feed(late)
         seqs = [self.seqs[s] for s in slots]
         lengths = [1 if seq.ready else 0 for seq in seqs]
-        index = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        index = upload(slots, torch.int64, self.device)
         drafts = self.first.index_select(0, index).unsqueeze(1).repeat(1, k)
         feature = self.feature.index_select(0, index)
         lens = [len(seq.tokens) for seq in seqs]
@@ -195,7 +196,7 @@ class ChainDrafter(Proposer):
                     if lengths[i] == j and self._chain_position(n, j) < self.capacity(slot)]
             if not rows:
                 break
-            pick = torch.tensor(rows, dtype=torch.int64, device=self.device)
+            pick = upload(rows, torch.int64, self.device)
             ids, out = self._step([slots[i] for i in rows], [lens[i] for i in rows], j,
                                   drafts[:, j - 1].index_select(0, pick), feature.index_select(0, pick))
             drafts[:, j].index_copy_(0, pick, ids)
@@ -246,15 +247,14 @@ class ChainDrafter(Proposer):
     def _replay(self, slots: list[int], seq_lens: list[int], ids: torch.Tensor, feature: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.graphs is not None and self.step_module is not None and self.block_tables is not None
-        index = torch.tensor(slots, dtype=torch.int64, device=self.device)
-        self.chain_ids.index_copy_(0, index, ids)
-        self.step_module.feature_in[: len(slots)].copy_(feature)
-        logits = self.graphs.run(slots, seq_lens, self.block_tables, self.chain_ids)
-        return self._to_target(logits.argmax(dim=-1)), self.step_module.feature_out[: len(slots)].clone()
+        n, step = len(slots), self.step_module
+        step.feature_in[:n].copy_(feature)
+        self.graphs.run(slots, seq_lens, self.block_tables, None, input_ids=ids)
+        return step.ids_out[:n].clone(), step.feature_out[:n].clone()
 
     def _plan(self, slots: list[int], query_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
         assert self.attention is not None and self.block_tables is not None, "attach() the drafter first"
-        index = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        index = upload(slots, torch.int64, self.device)
         batch = build_attention_batch(self.block_tables.index_select(0, index), query_lens, seq_lens,
                                       self.block_size)
         return self.attention.plan(batch)
@@ -264,15 +264,15 @@ class ChainDrafter(Proposer):
         the rows that sample set their slot's `first` and `feature`."""
         for part in _split_feed(feed, self.max_tokens):
             flat = [t for tokens in part.tokens for t in tokens]
-            ids = torch.tensor(flat, dtype=torch.int64, device=self.device)
             qlens = [len(t) for t in part.tokens]
+            ids, ends = upload([*flat, *itertools.accumulate(qlens)], torch.int64, self.device).split(
+                [len(flat), len(qlens)])
             meta = self._plan(part.slots, qlens, [s + n for s, n in zip(part.starts, qlens, strict=True)])
-            ends = torch.tensor(qlens, device=self.device).cumsum(0) - 1
+            ends = ends - 1
             first, feature = self._forward(ids, meta, ends, part.feature_rows())
             sampled = [i for i, s in enumerate(part.sample) if s]
             if sampled:
-                pick = torch.tensor(sampled, dtype=torch.int64, device=self.device)
-                where = torch.tensor([part.slots[i] for i in sampled], dtype=torch.int64, device=self.device)
+                pick, where = upload([sampled, [part.slots[i] for i in sampled]], torch.int64, self.device)
                 self.first.index_copy_(0, where, first.index_select(0, pick))
                 self.feature.index_copy_(0, where, feature.index_select(0, pick).to(self.feature.dtype))
                 for i in sampled:
@@ -307,6 +307,7 @@ class _ChainStep(nn.Module):
         self.dtype = drafter.feature.dtype
         self.feature_in = torch.zeros(rows, drafter.feature.shape[1], dtype=self.dtype, device=drafter.device)
         self.feature_out = torch.zeros_like(self.feature_in)
+        self.ids_out = torch.zeros(rows, dtype=torch.int64, device=drafter.device)  # the target's ids
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         n = ids.shape[0]
@@ -315,4 +316,8 @@ class _ChainStep(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        return self.drafter[0]._logits(hidden, out)
+        """The logits and, in the graph too, the chain's next draft from them."""
+        drafter = self.drafter[0]
+        logits = drafter._logits(hidden, out)
+        self.ids_out[: hidden.shape[0]].copy_(drafter._to_target(logits.argmax(dim=-1)))
+        return logits

@@ -85,11 +85,14 @@ class ForcedDrafts(Proposer):
 
 
 def timed_steps(runner: Any, args: argparse.Namespace, k: int) -> dict[str, Any]:
-    """One request decoded step by step; per-step wall ms (device synchronised) by kind."""
+    """One request decoded step by step; per-step wall ms (device synchronised) by kind, and how many
+    steps replayed a decode graph with verify rows in it."""
+    graphed = count_verify_replays(runner)
     scheduler = one_at_a_time(runner, 8192, k)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, runner.vocab_size, (args.input_len,), generator=gen).tolist()
-    max_new = (args.steps + args.warmup_steps + 2) * (k + 1)
+    rounds = 2 if args.profile_host else 1  # the steps again under cProfile
+    max_new = (rounds * args.steps + args.warmup_steps + 2) * (k + 1)
     sampling = p.SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
     scheduler.add_request(p.TokenizedRequest("bench", prompt, sampling))
     times: dict[str, list[float]] = {"decode": [], "verify": [], "other": []}
@@ -110,14 +113,51 @@ def timed_steps(runner: Any, args: argparse.Namespace, k: int) -> dict[str, Any]
             times[kind].append(ms)
             tokens += sum(len(d.token_ids) for d in deltas)
     counters = scheduler.take_counters()
-    return {"times": times, "tokens": tokens, "drafts": counters.spec_draft_tokens,
-            "accepted": counters.spec_accepted_tokens}
+    result = {"times": times, "tokens": tokens, "drafts": counters.spec_draft_tokens,
+              "accepted": counters.spec_accepted_tokens, "verify_in_decode_graph": graphed["steps"]}
+    if args.profile_host:
+        import cProfile
+
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(args.steps):
+            scheduler.process_result(runner.execute(scheduler.schedule()))
+            sync(runner.device)
+        profile.disable()
+        result["host_profile"] = host_profile(profile)
+    return result
+
+
+def count_verify_replays(runner: Any) -> dict[str, int]:
+    """Counts the decode-graph replays given their rows' tokens (steps with verify rows)."""
+    counts = {"steps": 0}
+    graphs = runner.graphs
+    if graphs is None:
+        return counts
+    run = graphs.run
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        counts["steps"] += (len(args) > 4 and args[4] is not None) or kwargs.get("input_ids") is not None
+        return run(*args, **kwargs)
+
+    graphs.run = counting
+    return counts
+
+
+def host_profile(profile: Any, top: int = 30) -> list[str]:
+    """The functions with the most cumulative host time in a cProfile run."""
+    import io
+    import pstats
+
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(top)
+    return text.getvalue().splitlines()
 
 
 def measure(args: argparse.Namespace, device: torch.device, method: str, k: int, **extra: Any) -> dict[str, Any]:
     """One runner (a plain one for k = 0), its steps timed, then freed: the next one sizes its pool
     from the free memory."""
-    need = args.input_len + (args.steps + args.warmup_steps + 2) * (args.num_steps + 1) + 8
+    need = args.input_len + (2 * args.steps + args.warmup_steps + 2) * (args.num_steps + 1) + 8
     need = -(-need // args.block_size) * args.block_size  # whole blocks: the CPU pool is seqs x max_model_len
     spec = {"speculative_algorithm": method, "speculative_num_steps": k, **extra} if k else {}
     settings = runner_settings(args, max_num_seqs=1, max_model_len=args.max_model_len or need,
@@ -146,6 +186,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="tokens a verify step gives, for the projection")
     parser.add_argument("--eagle3", action="store_true", help="also time whole EAGLE-3 rounds (dummy head)")
     parser.add_argument("--draft-vocab-size", type=int, default=32000, help="the EAGLE-3 head's vocabulary")
+    parser.add_argument("--profile-host", action="store_true", help="cProfile each method's steps once more")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     k = args.num_steps
@@ -166,6 +207,8 @@ def main(argv: list[str] | None = None) -> None:
         "decode_tok_s": round(1e3 / decode_ms, 1), "cuda_graphs": results["decode"]["cuda_graphs"],
         "decode_ms_all": [round(x, 4) for x in results["decode"]["times"]["decode"]],
         "verify_ms_all": [round(x, 4) for x in results["ngram"]["times"]["verify"]],
+        "verify_steps_in_decode_graph": results["ngram"]["verify_in_decode_graph"],
+        "host_profiles": {name: r["host_profile"] for name, r in results.items() if "host_profile" in r},
         "projection_acceptance_length": args.acceptance_length,
     }
     rows = [("decode (1 position)", decode_ms), (f"verify ({k + 1} positions, n-gram)", verify_ms)]

@@ -42,11 +42,11 @@ DEFAULT_MAX_CAPTURE_SIZE = 512
 _FINE_STEP_UNTIL = 256  # sizes step by 8 up to here, then by 16 (padding costs less at large batches)
 
 
-def capture_sizes(explicit: list[int] | None, max_size: int | None, max_num_seqs: int) -> list[int]:
+def capture_sizes(explicit: list[int] | None, max_size: int | None, max_rows: int) -> list[int]:
     """The batch sizes to capture, ascending: --cudagraph-capture-sizes if given, else 1, 2, 4, 8, every
     multiple of 8 up to 256 and of 16 above it, up to the cap; the cap is --max-cudagraph-capture-size
-    (default 512), never above max_num_seqs (no decode batch is larger)."""
-    cap = min(max_size if max_size is not None else DEFAULT_MAX_CAPTURE_SIZE, max_num_seqs)
+    (default 512), never above max_rows (no decode step has more)."""
+    cap = min(max_size if max_size is not None else DEFAULT_MAX_CAPTURE_SIZE, max_rows)
     if explicit:
         bad = [s for s in explicit if not isinstance(s, int) or s < 1]
         if bad:

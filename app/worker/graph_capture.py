@@ -33,14 +33,16 @@ GRAPH_OVERHEAD_BYTES = 64 << 20
 
 
 def decode_graph_sizes(settings: Settings, device: torch.device, backend: str, max_num_seqs: int) -> list[int]:
-    """Decode batch sizes to capture; none on the CPU, with --enforce-eager, or with a backend that
-    cannot be captured (torch)."""
+    """Decode batch sizes to capture, in rows (a sequence verifying k drafts is k + 1 rows); none on the
+    CPU, with --enforce-eager, or with a backend that cannot be captured (torch)."""
     if device.type != "cuda" or settings.enforce_eager:
         return []
     if not backend_class(backend).supports_cuda_graphs:
         logger.info("CUDA graphs off: the %s attention backend runs eagerly", backend)
         return []
-    return capture_sizes(settings.cudagraph_capture_sizes, settings.max_cudagraph_capture_size, max_num_seqs)
+    rows_per_seq = 1 + settings.speculative_num_steps if settings.speculative_algorithm is not None else 1
+    return capture_sizes(settings.cudagraph_capture_sizes, settings.max_cudagraph_capture_size,
+                         max_num_seqs * rows_per_seq)
 
 
 def piece_sizes(settings: Settings, decode_sizes: list[int], backend: str, tp: TensorParallel,

@@ -95,6 +95,19 @@ class _Unused:
 
     dtype = torch.float32
 
+def test_decode_graphs_hold_every_verify_row() -> None:
+    """While speculating, a sequence verifying k drafts feeds k + 1 graph rows: the sizes reach
+    max_num_seqs x (k + 1)."""
+    from app.worker.graph_capture import decode_graph_sizes
+    from tests.support.settings import make_settings
+
+    cuda = torch.device("cuda")  # the device type alone decides; nothing runs on it
+    assert decode_graph_sizes(make_settings(max_num_seqs=2), cuda, "triton", 2) == [1, 2]
+    spec = make_settings(max_num_seqs=2, speculative_algorithm="NGRAM", speculative_num_steps=3)
+    assert decode_graph_sizes(spec, cuda, "triton", 2) == [1, 2, 4, 8]
+    assert decode_graph_sizes(spec, CPU, "triton", 2) == []
+
+
 
 def test_stage_fills_rows_and_pads_onto_the_scratch_block() -> None:
     graphs = DecodeGraphs(_Unused(), _Unused(), [1, 4, 8], max_blocks=3, block_size=4, scratch_block=9,

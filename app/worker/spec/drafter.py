@@ -237,18 +237,22 @@ class ChainDrafter(Proposer):
     def capture_graphs(self, sizes: list[int]) -> None:
         """Capture the chain step at these batch sizes (CUDA, a backend that captures; after attach()):
         a step is then one replay, like the target's decode steps (app/worker/cuda_graphs.py), its pad
-        rows on the scratch block (the cache's last)."""
+        rows on the scratch block (the cache's last). A catch-up that fits replays it too, one row per
+        token (a verify's kept positions); longer ones (prefill chunks) run eagerly."""
         assert self.cache is not None and self.attention is not None and self.block_tables is not None
         self.step_module = _ChainStep(self, max(sizes))
         self.graphs = DecodeGraphs(self.step_module, self.attention, sizes, self.block_tables.shape[1],
                                    self.block_size, self.cache.num_blocks - 1, self.draft_vocab_size, self.device)
         self.graphs.capture()
 
-    def _replay(self, slots: list[int], seq_lens: list[int], ids: torch.Tensor, feature: torch.Tensor
+    def _replay(self, slots: list[int], seq_lens: list[int], ids: torch.Tensor, feature: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of one token each (a slot may have several, at consecutive lengths) through the captured
+        step: each row's draft (target ids) and feature."""
         assert self.graphs is not None and self.step_module is not None and self.block_tables is not None
         n, step = len(slots), self.step_module
-        step.feature_in[:n].copy_(feature)
+        if feature is not None:
+            step.feature_in[:n].copy_(feature)
         self.graphs.run(slots, seq_lens, self.block_tables, None, input_ids=ids)
         return step.ids_out[:n].clone(), step.feature_out[:n].clone()
 
@@ -267,9 +271,16 @@ class ChainDrafter(Proposer):
             qlens = [len(t) for t in part.tokens]
             ids, ends = upload([*flat, *itertools.accumulate(qlens)], torch.int64, self.device).split(
                 [len(flat), len(qlens)])
-            meta = self._plan(part.slots, qlens, [s + n for s, n in zip(part.starts, qlens, strict=True)])
             ends = ends - 1
-            first, feature = self._forward(ids, meta, ends, part.feature_rows())
+            if self.graphs is not None and self.graphs.size_for(len(flat)) is not None:
+                # One graph row per token, each at its own position (app/worker/cuda_graphs.py).
+                rows = [(slot, start + j + 1) for slot, start, n in zip(part.slots, part.starts, qlens, strict=True)
+                        for j in range(n)]
+                first, feature = self._replay([r[0] for r in rows], [r[1] for r in rows], ids, part.feature_rows())
+                first, feature = first.index_select(0, ends), feature.index_select(0, ends)
+            else:
+                meta = self._plan(part.slots, qlens, [s + n for s, n in zip(part.starts, qlens, strict=True)])
+                first, feature = self._forward(ids, meta, ends, part.feature_rows())
             sampled = [i for i, s in enumerate(part.sample) if s]
             if sampled:
                 pick, where = upload([sampled, [part.slots[i] for i in sampled]], torch.int64, self.device)

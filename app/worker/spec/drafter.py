@@ -135,6 +135,10 @@ class ChainDrafter(Proposer):
     @abstractmethod
     def draft_vocab_size(self) -> int: ...
 
+    def _chain_feature(self, feature: torch.Tensor) -> torch.Tensor:
+        """Catch-up features in the chain step's width (what its graph reads); the same by default."""
+        return feature
+
     def _forward(self, ids: torch.Tensor, meta: AttentionMetadata, rows: torch.Tensor,
                  feature: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the draft over a planned batch; -> (target token ids of the argmax at `rows`, [R] int64,
@@ -276,7 +280,9 @@ class ChainDrafter(Proposer):
                 # One graph row per token, each at its own position (app/worker/cuda_graphs.py).
                 rows = [(slot, start + j + 1) for slot, start, n in zip(part.slots, part.starts, qlens, strict=True)
                         for j in range(n)]
-                first, feature = self._replay([r[0] for r in rows], [r[1] for r in rows], ids, part.feature_rows())
+                features = part.feature_rows()
+                features = self._chain_feature(features) if features is not None else None
+                first, feature = self._replay([r[0] for r in rows], [r[1] for r in rows], ids, features)
                 first, feature = first.index_select(0, ends), feature.index_select(0, ends)
             else:
                 meta = self._plan(part.slots, qlens, [s + n for s, n in zip(part.starts, qlens, strict=True)])

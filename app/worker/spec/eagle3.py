@@ -78,6 +78,10 @@ class Eagle3Proposer(ChainDrafter):
     def _to_target(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head.to_target_ids(ids)
 
+    def _chain_feature(self, feature: torch.Tensor) -> torch.Tensor:
+        """The target's captured states through the head's fc, as its forward would apply it."""
+        return self.head.fc(feature) if feature.shape[-1] == 3 * self.head.target_hidden else feature
+
     def _catch_up(self, step: TargetStep) -> Feed:
         if step.aux_hidden is None:
             raise ValueError("the EAGLE-3 head needs the target's captured hidden states (TargetStep.aux_hidden)")

@@ -113,3 +113,21 @@ def test_proposer_follows_the_slots_tokens() -> None:
     proposer.release(0)
     with pytest.raises(KeyError):
         proposer.propose([0], 1)
+
+
+def test_decoder_accepts_greedy_rows_and_flags_bad_logits() -> None:
+    """SpecDecoder._accept over two verify rows: the longest matching prefix, the argmax after it, and a
+    row whose logits hold a NaN flagged bad (its neighbour is not)."""
+    from app import protocol as p
+    from app.worker.spec.decoder import SpecDecoder, VerifyRows
+
+    decoder = SpecDecoder(NgramProposer(1, 3), block_size=4, device=torch.device("cpu"), vocab_size=V, seed=0)
+    for slot in (0, 1):
+        decoder.register(p.NewSeq(slot, f"r{slot}", p.SamplingParams(temperature=0.0), 3, [0], prompt_ids=[1, 2, 3]))
+    verify = VerifyRows(slots=[0, 1], drafts=[[4, 5], [2]], draft_probs=[None, None])
+    argmax = [4, 1, 3, 2, 0]  # row 0: 4 kept, 5 refused (the target says 1); row 1: 2 kept
+    logits = torch.nn.functional.one_hot(torch.tensor(argmax), V).float()
+    logits[4, 1] = float("nan")
+    out = decoder._accept(logits, verify)
+    assert out.accepted == [[4], [2]] and out.next_tokens[0] == 1  # row 1's next token is NaN's argmax
+    assert out.bad == [False, True]

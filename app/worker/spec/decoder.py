@@ -20,6 +20,7 @@ import torch
 
 from app.config.settings import Settings
 from app.protocol import NewSeq, SamplingParams, SeqChunk, StepResult
+from app.worker.sampling.reduce import argmax_and_bad_rows
 from app.worker.slot_state import SlotState
 from app.worker.spec.proposer import Proposer, TargetStep
 from app.worker.spec.verify import Accepted, accept_greedy, accept_sampled, target_probs
@@ -123,8 +124,8 @@ class SpecDecoder:
         kept = [slots.seq_len[slot] - len(d) + len(a) for slot, d, a in
                 zip(verify.slots, verify.drafts, out.accepted, strict=True)]
         slots.set_lengths(verify.slots, kept)
-        slots.last_token.index_copy_(0, upload(verify.slots, torch.int64, self.device),
-                                     upload(out.next_tokens, torch.int64, self.device))
+        index, tokens = upload([verify.slots, out.next_tokens], torch.int64, self.device)
+        slots.last_token.index_copy_(0, index, tokens)
         for slot in verify.slots:
             slots.has_token[slot] = True
         return out
@@ -139,7 +140,10 @@ class SpecDecoder:
 
     def _accept(self, logits: torch.Tensor, verify: VerifyRows) -> VerifyOut:
         out = VerifyOut(slots=list(verify.slots), drafted=[len(d) for d in verify.drafts])
-        bad_rows = (~torch.isfinite(logits).all(dim=1)).tolist()
+        # Every position's argmax and whether its logits are bad (as the sampler judges rows), in one
+        # read-back: the step's only wait for a greedy batch.
+        argmax, bad = argmax_and_bad_rows(logits)
+        target, bad_rows = torch.stack([argmax, bad.to(torch.int64)]).tolist()
         offsets = [0]
         for d in verify.drafts:
             offsets.append(offsets[-1] + len(d) + 1)
@@ -147,9 +151,8 @@ class SpecDecoder:
         sampled = [i for i, s in enumerate(verify.slots) if not self._params[s].greedy]
         results: dict[int, Accepted] = {}
         if greedy:
-            rows = [p for i in greedy for p in range(offsets[i], offsets[i + 1])]
-            target = logits.index_select(0, _index(rows, logits.device)).argmax(dim=1).tolist()
-            for i, acc in zip(greedy, accept_greedy(target, [verify.drafts[i] for i in greedy]), strict=True):
+            rows = [target[p] for i in greedy for p in range(offsets[i], offsets[i + 1])]
+            for i, acc in zip(greedy, accept_greedy(rows, [verify.drafts[i] for i in greedy]), strict=True):
                 results[i] = acc
         if sampled:
             rows = [p for i in sampled for p in range(offsets[i], offsets[i + 1])]

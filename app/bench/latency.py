@@ -51,6 +51,7 @@ def runner_settings(args: argparse.Namespace, **overrides: Any) -> Settings:
         "kv_cache_dtype": args.kv_cache_dtype,
         "max_total_tokens": args.max_total_tokens,
         "enable_pdl": not args.no_pdl,
+        "disable_custom_all_reduce": args.disable_custom_all_reduce,
     }
     if args.piecewise_cuda_graph_max_tokens is not None:
         fields["piecewise_cuda_graph_max_tokens"] = args.piecewise_cuda_graph_max_tokens
@@ -115,6 +116,9 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="TP ranks (rank 0 here, the rest spawned; next GPUs)"
     )
+    parser.add_argument("--disable-custom-all-reduce", action="store_true",
+                        help="with --tensor-parallel-size > 1: every all-reduce on NCCL (default: the small ones "
+                             "as one kernel over peer memory)")  # fmt: skip
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--no-pdl", action="store_true",
@@ -295,6 +299,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "cuda_graphs": runner.graphs is not None,
         "batch_size": args.batch_size,
         "tensor_parallel_size": tp_size(runner),
+        "all_reduce": runner.tp.all_reduce_path,
         "input_len": args.input_len,
         "output_len": args.output_len,
         "weights_gb": runner.weights_bytes / 1e9,

@@ -3,7 +3,9 @@
 Two process groups over the same ranks: the device group (NCCL on CUDA, gloo on CPU) carries the
 model's collectives (all-reduce after row-parallel layers, the logits' all-gather, the sampled tokens'
 broadcast); a gloo group carries the leader's relay of the scheduler's messages, which are host bytes.
-On CPU the two are the same gloo group.
+On CPU the two are the same gloo group. On CUDA a small all-reduce (a decode step's rows) runs as one
+kernel over peer memory instead of NCCL (app/worker/peer_all_reduce.py) unless
+--disable-custom-all-reduce or the GPUs cannot reach each other's memory.
 
 `SINGLE` stands for no parallelism: its collectives are identities, so layers call them unconditionally.
 """
@@ -16,6 +18,8 @@ import struct
 
 import torch
 import torch.distributed as dist
+
+from app.worker.peer_all_reduce import PeerAllReduce
 
 log = logging.getLogger("tokenspeed.worker")
 
@@ -40,8 +44,10 @@ class TensorParallel:
         return self.rank == 0
 
     @classmethod
-    def join(cls, rank: int, size: int, device: torch.device, init_method: str) -> TensorParallel:
-        """Rendezvous with the other ranks at init_method (tcp://host:port)."""
+    def join(cls, rank: int, size: int, device: torch.device, init_method: str, *,
+             custom_all_reduce: bool) -> TensorParallel:
+        """Rendezvous with the other ranks at init_method (tcp://host:port). custom_all_reduce: the
+        one-shot all-reduce for small tensors on CUDA (not --disable-custom-all-reduce)."""
         if size == 1:
             return SINGLE
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -50,9 +56,15 @@ class TensorParallel:
         kwargs = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(backend, init_method=init_method, world_size=size, rank=rank,
                                 timeout=GROUP_TIMEOUT, **kwargs)
-        group = Distributed(rank, size, device)
-        log.info("tensor parallel rank %d of %d joined (%s, %s)", rank, size, backend, init_method)
+        group = Distributed(rank, size, device, custom_all_reduce)
+        log.info("tensor parallel rank %d of %d joined (%s, %s); all-reduce: %s", rank, size, backend,
+                 init_method, group.all_reduce_path)
         return group
+
+    @property
+    def all_reduce_path(self) -> str:
+        """What runs the all-reduces, in words (logs, benchmark results)."""
+        return "none (one rank)"
 
     # Identities at size 1; Distributed overrides them.
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -84,13 +96,29 @@ SINGLE = TensorParallel()
 
 
 class Distributed(TensorParallel):
-    def __init__(self, rank: int, size: int, device: torch.device) -> None:
+    def __init__(self, rank: int, size: int, device: torch.device, custom_all_reduce: bool) -> None:
         super().__init__(rank, size)
         self.device = device
         self.cpu_group = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT) if device.type == "cuda" else None
         self._frame = torch.empty(RELAY_FRAME_BYTES, dtype=torch.uint8)
+        self.one_shot: PeerAllReduce | None = None
+        self.nccl_only_reason: str | None = None  # on CUDA without the one-shot all-reduce: why
+        if device.type == "cuda":
+            self.one_shot, self.nccl_only_reason = PeerAllReduce.start(
+                dist.group.WORLD, self.cpu_group, device, custom_all_reduce)
+
+    @property
+    def all_reduce_path(self) -> str:
+        if self.device.type != "cuda":
+            return "gloo"
+        if self.one_shot is None:
+            return f"NCCL only ({self.nccl_only_reason})"
+        return (f"one-shot over peer memory (torch symmetric memory) for bf16/fp32 tensors up to "
+                f"{self.one_shot.max_bytes >> 10} KiB, NCCL above")
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.one_shot is not None and self.one_shot.fits(x):
+            return self.one_shot(x)
         dist.all_reduce(x)
         return x
 

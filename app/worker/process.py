@@ -112,7 +112,8 @@ def run_worker(settings: Settings, endpoints: Endpoints, place: WorkerPlace | No
         torch.cuda.set_device(device)
     else:
         set_cpu_threads(torch, Topology.from_settings(settings).per_node)
-    tp = TensorParallel.join(place.rank, place.tp_size, device, init_method)
+    tp = TensorParallel.join(place.rank, place.tp_size, device, init_method,
+                            custom_all_reduce=not settings.disable_custom_all_reduce)
     runner = ModelRunner(settings, device, tp, clock)
     runner.warmup()
     ready = runner.ready_message()

@@ -61,7 +61,7 @@ def _follower_main(settings: Settings, device: str, rank: int, size: int, init_m
         torch.cuda.set_device(dev)
     else:
         torch.set_num_threads(1)
-    tp = TensorParallel.join(rank, size, dev, init_method)
+    tp = TensorParallel.join(rank, size, dev, init_method, custom_all_reduce=not settings.disable_custom_all_reduce)
     runner = ModelRunner(settings, dev, tp)
     runner.warmup()
     with torch.inference_mode():
@@ -80,7 +80,7 @@ def start_tp_group(settings: Settings, device: torch.device, size: int) -> Leade
         proc = ctx.Process(target=_follower_main, args=(settings, where, rank, size, init), daemon=True)
         proc.start()
         followers.append(proc)
-    tp = TensorParallel.join(0, size, device, init)
+    tp = TensorParallel.join(0, size, device, init, custom_all_reduce=not settings.disable_custom_all_reduce)
     runner = ModelRunner(settings, device, tp)
     runner.warmup()
     return LeaderRunner(runner, tp, followers)

@@ -55,7 +55,8 @@
 #   tests_decode             the decode step's kernels and backends, FP8 caches, the pipelined steps: ~120 s
 #   tests_fp8w               the FP8 weights' GEMMs, GEMV and fused quantization: ~210 s
 #   pytest                   the GPU tests PYTEST_ARGS names (pytest's arguments, quoted as on a command line)
-#   tests_tp latency_tp      two GPUs: TP=2 GPU tests; batch-1 decode at TP=1 and TP=2
+#   tests_tp latency_tp      two GPUs: TP=2 GPU tests; batch-1 decode at TP=1, at TP=2 with the one-shot
+#                            all-reduce for small tensors, and at TP=2 with NCCL only: ~150 s
 #   serving_dp               two GPUs: the appliance at 1 replica, then --data-parallel-size 2: ~300 s
 # A stage that cannot finish before DEADLINE is skipped rather than cut (offline_1000*), so give each
 # 1000-request stage a device call of its own unless the estimates above add up.
@@ -228,12 +229,13 @@ for s in $STAGES; do
       tests/gpu/test_greedy_gpu.py ;;
     # Two GPUs (nvidia-h200-x2): TP=2 parity tests, batch-1 decode TP=1 vs TP=2, and the appliance's
     # throughput with one replica vs two (--data-parallel-size 2) at twice the concurrency.
-    tests_tp) wait $WARM; stage tests_tp 200 python3 -m pytest -v -s -p no:cacheprovider -o faulthandler_timeout=100 \
-      tests/gpu/test_tensor_parallel_gpu.py ;;
+    tests_tp) wait $WARM; stage tests_tp 260 python3 -m pytest -v -s -p no:cacheprovider -o faulthandler_timeout=100 \
+      tests/gpu/test_peer_all_reduce_gpu.py tests/gpu/test_tensor_parallel_gpu.py ;;
     latency_tp)
       wait $WARM
       latency latency_tp1_b1 flashinfer 1
-      latency latency_tp2_b1 flashinfer 1 --tensor-parallel-size 2 ;;
+      latency latency_tp2_b1 flashinfer 1 --tensor-parallel-size 2
+      latency latency_tp2_b1_nccl flashinfer 1 --tensor-parallel-size 2 --disable-custom-all-reduce ;;
     serving_dp)
       wait $WARM
       NUM_PROMPTS=512 INPUT_LEN=512 OUTPUT_LEN=256 CONCURRENCY=128 MAX_NUM_SEQS=128 BACKEND=flashinfer \

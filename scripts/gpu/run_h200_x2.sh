@@ -4,6 +4,9 @@
 #   scripts/gpu/run_h200_x2.sh "GPU0 STAGES" "GPU1 STAGES" "BOTH STAGES"
 # Each part's results land in $OUT/gpu0, $OUT/gpu1, $OUT/both (results.json, logs.tar.gz); the last part
 # returns flashinfer's JIT cache. DEADLINE (default 570 s) bounds the whole call.
+# TP=2 against TP=1 at batch 1 (8B shape, dummy bf16), with the one-shot all-reduce and with NCCL alone,
+# in one call (JSON per run in $OUT/both/results.json, the table and ratios at the end):
+#   scripts/gpu/run_h200_x2.sh "" "" latency_tp
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/ts_out}

@@ -43,6 +43,10 @@ RATIOS = [
      "offline_1000_fp8kv", "offline_1000_fp8", "output_tokens_per_s"),
     ("batch-1 decode tok/s, TP=2 / TP=1 (flashinfer, execute; goal >= 1.6)",
      "latency_tp2_b1", "latency_tp1_b1", "decode_tokens_per_s"),
+    ("batch-1 decode tok/s, TP=2 NCCL only / TP=1 (--disable-custom-all-reduce)",
+     "latency_tp2_b1_nccl", "latency_tp1_b1", "decode_tokens_per_s"),
+    ("batch-1 decode tok/s, TP=2 one-shot all-reduce / NCCL only",
+     "latency_tp2_b1", "latency_tp2_b1_nccl", "decode_tokens_per_s"),
     ("appliance output tok/s, 2 replicas / 1 (--data-parallel-size; goal 2 within 10%)",
      "serving_dp2", "serving_dp1", "output_token_throughput"),
 ]  # fmt: skip
@@ -117,6 +121,8 @@ def other_lines(results: dict[str, dict]) -> list[str]:
     for name, r in results.items():
         if name.startswith("offline"):
             lines.append(offline_line(name, r))
+        elif name.startswith("latency") and r.get("tensor_parallel_size", 1) > 1:
+            lines.append(f"{name}: TP {r['tensor_parallel_size']}, all-reduce: {r.get('all_reduce', '-')}")
         elif name.startswith("kv_pool"):
             lines.append(
                 f"{name}: {r['attention_backend']}, {precision(r)}: KV pool {r['kv_pool_tokens']} tokens, "

@@ -1,6 +1,8 @@
 """Tensor parallelism on two GPUs (NCCL; skipped with fewer): greedy output of a TP=2 group equals the
 one-GPU run's, for each graph-capable backend, eager and with CUDA graphs (the graphs capture the
-all-reduces); and a worker placed on a GPU that does not exist stops with a message that says so."""
+all-reduces: the one-shot kernel over peer memory for the small ones, app/worker/peer_all_reduce.py),
+and with NCCL alone (--disable-custom-all-reduce); and a worker placed on a GPU that does not exist
+stops with a message that says so."""
 
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ def _leader_main(fields: dict, model_dir: str, prompts: list[list[int]], queue: 
     try:
         leader = start_tp_group(settings(Path(model_dir), **fields), CUDA, 2)
         outputs = run_requests(leader, prompts, 24)
-        queue.put((leader.graphs is not None, outputs))
+        queue.put((leader.graphs is not None, (outputs, leader.tp.all_reduce_path)))
         leader.close()
     except Exception:
         queue.put((None, traceback.format_exc()))
@@ -49,13 +51,14 @@ def _leader_main(fields: dict, model_dir: str, prompts: list[list[int]], queue: 
 
 
 @two_gpus
-@pytest.mark.parametrize("eager", [True, False])
+@pytest.mark.parametrize(("eager", "nccl_only"), [(True, False), (False, False), (False, True)])
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if getattr(b, "values", (b,))[0] != "torch"])
-def test_tp2_greedy_equals_one_gpu(backend: str, eager: bool, tmp_path: Path) -> None:
+def test_tp2_greedy_equals_one_gpu(backend: str, eager: bool, nccl_only: bool, tmp_path: Path) -> None:
     # head_dim 64: flashinfer's smallest (the default tiny model's 16 is triton-only)
     model_dir = build_tiny_model("llama", tmp_path, seed=2, hidden_size=256, head_dim=64, intermediate_size=256)
     fields = {"dtype": "float32" if backend == "triton" else "bfloat16", "block_size": 4,
-              "attention_backend": backend, "enforce_eager": eager, "gpu_memory_utilization": 0.3}
+              "attention_backend": backend, "enforce_eager": eager, "gpu_memory_utilization": 0.3,
+              "disable_custom_all_reduce": nccl_only}
     single = ModelRunner(settings(model_dir, **fields), CUDA)
     single.warmup()
     prompts = prompts_for(single.vocab_size, [5, 41, 12])
@@ -75,6 +78,8 @@ def test_tp2_greedy_equals_one_gpu(backend: str, eager: bool, tmp_path: Path) ->
             leader.kill()
     assert graphs is not None, got
     assert graphs == (not eager)
+    got, path = got
+    assert path.startswith("NCCL only" if nccl_only else "one-shot over peer memory"), path
     if fields["dtype"] == "float32":
         assert got == expected
     else:  # bf16: the all-reduce sums partial products in another order; allow a late divergence

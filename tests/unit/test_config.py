@@ -81,7 +81,7 @@ def test_every_field_has_a_seed_group_and_purpose() -> None:
     assert appliance == {
         "device", "seed", "drain_timeout", "engine_startup_timeout", "admin_api_key", "max_queued_requests",
         "request_timeout", "ttft_timeout", "heartbeat_timeout", "worker_heartbeat_timeout", "base_gpu_id",
-        "gpu_id_step", "load_balance_method", "piecewise_cuda_graph_max_tokens",
+        "gpu_id_step", "load_balance_method", "disable_custom_all_reduce", "piecewise_cuda_graph_max_tokens",
         "enable_pdl", "allow_remote_admin", "weight_update_roots", "grammar_compile_timeout",
         "grammar_cache_size", "speculative_ngram_min_match_window_size", "speculative_ngram_max_match_window_size",
     }

@@ -37,3 +37,22 @@ def test_scheduler_view_of_each_benchmark_window(tmp_path: Path) -> None:
         "serving, scheduler's view of 1 requests: queue p50 3.0 ms, prefill p50 20.0 ms, TTFT p50 90.0 ms "
         "against the client's 95.0 ms (5.0 ms outside the scheduler)",
     ]
+
+
+def test_tp_ratios_with_and_without_the_one_shot_all_reduce() -> None:
+    one_shot = "one-shot over peer memory (torch symmetric memory) for bf16/fp32 tensors up to 512 KiB, NCCL above"
+    results = {
+        "latency_tp1_b1": {"decode_tokens_per_s": 180.0, "tensor_parallel_size": 1},
+        "latency_tp2_b1": {"decode_tokens_per_s": 297.0, "tensor_parallel_size": 2, "all_reduce": one_shot},
+        "latency_tp2_b1_nccl": {"decode_tokens_per_s": 198.0, "tensor_parallel_size": 2,
+                                "all_reduce": "NCCL only (rank 0: --disable-custom-all-reduce)"},
+    }
+    assert summarize.ratio_lines(results) == [
+        "batch-1 decode tok/s, TP=2 / TP=1 (flashinfer, execute; goal >= 1.6): 297 / 180 = 1.650",
+        "batch-1 decode tok/s, TP=2 NCCL only / TP=1 (--disable-custom-all-reduce): 198 / 180 = 1.100",
+        "batch-1 decode tok/s, TP=2 one-shot all-reduce / NCCL only: 297 / 198 = 1.500",
+    ]
+    assert summarize.other_lines(results) == [
+        f"latency_tp2_b1: TP 2, all-reduce: {one_shot}",
+        "latency_tp2_b1_nccl: TP 2, all-reduce: NCCL only (rank 0: --disable-custom-all-reduce)",
+    ]

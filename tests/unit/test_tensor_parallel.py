@@ -68,7 +68,7 @@ def _rank_main(rank: int, size: int, init: str, model_dir: str, prompts: list[li
         from app.worker.process import follow_steps
         from app.worker.tp_group import LeaderRunner
 
-        tp = TensorParallel.join(rank, size, CPU, init)
+        tp = TensorParallel.join(rank, size, CPU, init, custom_all_reduce=True)
         runner = ModelRunner(make_settings(Path(model_dir)), CPU, tp)
         runner.warmup()
         import json

@@ -47,6 +47,7 @@ from app.bench.latency import (  # noqa: E402
     one_at_a_time,
     runner_settings,
     sync,
+    time_graph_replay,
 )
 from app.worker.loader import load_hf_config  # noqa: E402
 from app.worker.spec.proposer import Draft, Proposer, TargetStep  # noqa: E402
@@ -168,6 +169,8 @@ def measure(args: argparse.Namespace, device: torch.device, method: str, k: int,
     with torch.inference_mode():
         result = timed_steps(runner, args, k)
     result["cuda_graphs"] = runner.graphs is not None
+    if runner.graphs is not None:  # the GPU's share of a step: its graph's replay alone
+        result["graph_replay_ms"] = {rows: time_graph_replay(runner, rows) for rows in (1, k + 1)}
     close_runner(runner)
     del runner
     gc.collect()
@@ -208,6 +211,7 @@ def main(argv: list[str] | None = None) -> None:
         "decode_ms_all": [round(x, 4) for x in results["decode"]["times"]["decode"]],
         "verify_ms_all": [round(x, 4) for x in results["ngram"]["times"]["verify"]],
         "verify_steps_in_decode_graph": results["ngram"]["verify_in_decode_graph"],
+        "graph_replay_ms": results["ngram"].get("graph_replay_ms"),
         "host_profiles": {name: r["host_profile"] for name, r in results.items() if "host_profile" in r},
         "projection_acceptance_length": args.acceptance_length,
     }
@@ -226,6 +230,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'step':34} {'median ms':>10} {'x decode':>9}")
     for name, ms in rows:
         print(f"{name:34} {ms:10.3f} {ms / decode_ms:9.3f}")
+    for rows, ms in (report["graph_replay_ms"] or {}).items():
+        print(f"{f'graph replay alone, {rows} rows':34} {ms:10.3f} {ms / decode_ms:9.3f}")
     print(f"verify / decode = {ratio:.3f} (goal <= 1.15)")
     if "eagle3" in report:
         print(f"EAGLE-3 batch 1, PROJECTED at acceptance length {args.acceptance_length}: "

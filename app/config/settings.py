@@ -184,9 +184,10 @@ class Settings(BaseSettings):
         1, "Distance between the GPU indices of consecutive workers (TokenSpeed's --gpu-id-step).", PARALLELISM,
         origin="appliance", ge=1)
     disable_custom_all_reduce: bool = _f(
-        False, "Run every tensor-parallel all-reduce on NCCL. Unset, a small one (a decode step's rows, up to "
+        True, "Run every tensor-parallel all-reduce on NCCL. `false`: a small one (a decode step's rows, up to "
         "512 KiB of bf16 or fp32) runs as one kernel that reads the other GPUs' buffers over peer memory "
-        "(vLLM's and SGLang's --disable-custom-all-reduce).", PARALLELISM, origin="appliance")
+        "(vLLM's and SGLang's --disable-custom-all-reduce). On by default only once measured on two GPUs, "
+        "which has not been done yet.", PARALLELISM, origin="appliance")
     load_balance_method: Literal["shortest_queue", "round_robin"] = _f(
         "shortest_queue", "How the front spreads requests over --data-parallel-size replicas: the replica with "
         "the fewest unfinished requests, or in turn (TokenSpeed's --load-balance-method).", PARALLELISM,

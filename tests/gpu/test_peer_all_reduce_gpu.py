@@ -4,10 +4,9 @@ captured CUDA graph, bf16 and fp32, several sizes up to the threshold:
 - two GPUs (skipped with fewer): a TP=2 group as the worker joins it (NCCL device group); the kernel's
   sums equal NCCL's on the same tensors, bit for bit (two ranks: each element is a + b, rounded once),
   and Distributed.all_reduce routes the small tensors to it and the large ones to NCCL;
-- one GPU: two processes on the same device stand for two ranks (a gloo group, symmetric memory with
-  TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1: NCCL refuses two ranks on one GPU), the sums against
-  the same a + b computed here. The GPU time-slices the two processes, so each call is slow; it
-  checks the kernel, the buffer exchange and the graph capture, not the speed.
+
+Two processes on ONE GPU cannot stand for two ranks: without MPS their kernels never run at the same
+time, and each rank's one-shot kernel waits for the other's signal (tried on the H200: it hung).
 
 Each rank runs in a spawned process that leaves with os._exit: a group whose collectives CUDA graphs
 captured cannot be torn down (app/worker/parallel.py).
@@ -114,29 +113,6 @@ def _two_gpu_rank(rank: int, init: str, queue: Any) -> None:
     os._exit(0)
 
 
-def _one_gpu_rank(rank: int, init: str, queue: Any) -> None:
-    try:
-        os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
-        import torch.distributed as dist
-
-        from app.worker.peer_all_reduce import PeerAllReduce
-
-        device = torch.device("cuda", 0)
-        torch.cuda.set_device(device)
-        dist.init_process_group("gloo", init_method=init, world_size=2, rank=rank)
-        one_shot, why = PeerAllReduce.start(dist.group.WORLD, None, device, enabled=True)
-        assert one_shot is not None, why
-
-        def reference(x: torch.Tensor, rows: int, dtype: torch.dtype, step: int) -> torch.Tensor:
-            return expected_sum(2, rows, dtype, step, device)
-
-        wrong = check(rank, device, one_shot, reference, one_shot.fits, large=False)
-        queue.put((rank, wrong, None))
-    except Exception:
-        queue.put((rank, ["error"], traceback.format_exc()))
-    os._exit(0)
-
-
 def run_ranks(target: Callable[..., None]) -> dict[int, tuple[list[str], Any]]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -165,9 +141,3 @@ def test_one_shot_equals_nccl_on_two_gpus() -> None:
         assert wrong == [], (rank, wrong, path)
         assert path.startswith("one-shot over peer memory"), path
 
-
-def test_one_shot_on_one_gpu_two_processes() -> None:
-    results = run_ranks(_one_gpu_rank)
-    for rank in range(2):
-        wrong, extra = results[rank]
-        assert wrong == [], (rank, wrong, extra)

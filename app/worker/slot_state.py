@@ -38,12 +38,16 @@ class SlotState:
             dev = upload([rows, cols, vals], torch.int64, self.device)
             self.block_tables.index_put_((dev[0], dev[1]), dev[2].to(torch.int32))
 
-    def set_lengths(self, slots: list[int], lengths: list[int]) -> None:
+    def set_lengths(self, slots: list[int], lengths: list[int], last_tokens: list[int] | None = None) -> None:
+        """The slots' context lengths and, where given, the tokens they feed next (one upload)."""
         for slot, length in zip(slots, lengths, strict=True):
             self.seq_len[slot] = length
         if slots:
-            dev = upload([slots, lengths], torch.int64, self.device)
+            dev = upload([slots, lengths, *([last_tokens] if last_tokens is not None else [])], torch.int64,
+                         self.device)
             self.seq_lens.index_copy_(0, dev[0], dev[1].to(torch.int32))
+            if last_tokens is not None:
+                self.last_token.index_copy_(0, dev[0], dev[2])
 
     def release(self, slot: int) -> None:
         self.active[slot] = self.has_token[slot] = False

@@ -25,7 +25,6 @@ from app.worker.slot_state import SlotState
 from app.worker.spec.proposer import Proposer, TargetStep
 from app.worker.spec.verify import Accepted, accept_greedy, accept_sampled, target_probs
 from app.worker.step_batch import StepBatch
-from app.worker.transfer import upload
 
 
 @dataclass
@@ -123,9 +122,7 @@ class SpecDecoder:
         out = self._accept(logits, verify)
         kept = [slots.seq_len[slot] - len(d) + len(a) for slot, d, a in
                 zip(verify.slots, verify.drafts, out.accepted, strict=True)]
-        slots.set_lengths(verify.slots, kept)
-        index, tokens = upload([verify.slots, out.next_tokens], torch.int64, self.device)
-        slots.last_token.index_copy_(0, index, tokens)
+        slots.set_lengths(verify.slots, kept, out.next_tokens)
         for slot in verify.slots:
             slots.has_token[slot] = True
         return out

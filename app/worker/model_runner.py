@@ -351,9 +351,9 @@ class ModelRunner:
         step = lay_out(chunks, s.seq_len, self._prompt_want)
         num_sampled = verify.take_rows(step)  # verify rows: logits at every fed position, verified, not sampled
         if self._graphable(step, verify):
-            logits, prompt = self._graph_logits(step), None  # no prompt position in a graphed step
+            logits, prompt = self._graph_logits(step, verify), None  # no prompt position in a graphed step
         else:
-            logits, prompt = self._eager_logits(step)
+            logits, prompt = self._eager_logits(step, verify)
         for chunk in plan.chunks:  # fed tokens supersede a sampled one; sampling below sets it again
             s.has_token[chunk.slot] = False
         if self.spec is None:
@@ -365,7 +365,7 @@ class ModelRunner:
         pending = self._sample(plan, step, logits, prompt)
         pending.spec = verified
         self.spec.trim(plan.chunks, s)
-        pending.observed = self.spec.target_step(chunks, step)
+        pending.observed = self.spec.target_step(chunks, step, verify)
         pending.observed.aux_hidden = step.aux_hidden
         return pending
 
@@ -401,7 +401,7 @@ class ModelRunner:
         verifying = set(verify.slots)
         return all(n == 1 or slot in verifying for slot, n in zip(step.slots, step.query_lens, strict=True))
 
-    def _graph_logits(self, step: StepBatch) -> torch.Tensor | None:
+    def _graph_logits(self, step: StepBatch, verify: VerifyRows) -> torch.Tensor | None:
         """Replay the decode graph that holds the step's rows: logits of the rows that sample."""
         s = self.slots
         for slot, length in zip(step.slots, step.seq_lens, strict=True):
@@ -412,28 +412,35 @@ class ModelRunner:
             row_slots = [slot for slot, n in zip(step.slots, step.query_lens, strict=True) for _ in range(n)]
             row_lens = [length - n + 1 + j for length, n in zip(step.seq_lens, step.query_lens, strict=True)
                         for j in range(n)]
-            input_ids, sample_rows = self._input_ids(step)
+            input_ids, sample_rows = self._input_ids(step, verify)
             logits = self.graphs.run(row_slots, row_lens, s.block_tables, None, input_ids)
             logits = logits.index_select(0, sample_rows) if step.sample_rows else None
         if self.graphs.aux is not None:  # a copy: the next replay rewrites the buffer
             step.aux_hidden = self.graphs.aux[: len(step.token_ids)].clone()
         return logits
 
-    def _input_ids(self, step: StepBatch, *extra: list[int]) -> tuple[torch.Tensor, ...]:
-        """The step's fed tokens on the device (decode rows: their slot's last sampled token), its
-        sample rows and any extra index lists, in one upload (no host sync)."""
-        parts = [step.token_ids, step.decode_rows, step.decode_slots, step.sample_rows, *extra]
+    def _input_ids(self, step: StepBatch, verify: VerifyRows, *extra: list[int]) -> tuple[torch.Tensor, ...]:
+        """The step's fed tokens on the device (decode rows: their slot's last sampled token; drafts
+        still on the device: theirs), its sample rows and any extra index lists, in one upload (no host
+        sync)."""
+        drafts = verify.device_tokens()
+        draft_rows, draft_tokens, draft_index = drafts if drafts is not None else ([], None, [])
+        parts = [step.token_ids, step.decode_rows, step.decode_slots, step.sample_rows, draft_rows, draft_index,
+                 *extra]
         ids = upload([i for part in parts for i in part], torch.int64, self.device)
-        input_ids, decode_rows, decode_slots, sample_rows, *rest = ids.split(list(map(len, parts)))
+        input_ids, decode_rows, decode_slots, sample_rows, draft_rows_dev, draft_index_dev, *rest = ids.split(
+            list(map(len, parts)))
         if step.decode_rows:
             input_ids.index_copy_(0, decode_rows, self.slots.last_token.index_select(0, decode_slots))
+        if draft_rows:
+            input_ids.index_copy_(0, draft_rows_dev, draft_tokens.index_select(0, draft_index_dev))
         return input_ids, sample_rows, *rest
 
-    def _eager_logits(self, step: StepBatch) -> tuple[torch.Tensor | None, PromptLogprobs | None]:
+    def _eager_logits(self, step: StepBatch, verify: VerifyRows) -> tuple[torch.Tensor | None, PromptLogprobs | None]:
         """Run the step's flat batch eagerly: logits of the rows that sample (None if none does) and the
         prompt logprobs of the rows that ask (None if none does), from the same hidden states."""
         s = self.slots
-        input_ids, sample_rows, slot_index = self._input_ids(step, step.slots)
+        input_ids, sample_rows, slot_index = self._input_ids(step, verify, step.slots)
         s.set_lengths(step.slots, step.seq_lens)
         batch = build_attention_batch(
             s.block_tables.index_select(0, slot_index),

@@ -29,16 +29,31 @@ from app.worker.step_batch import StepBatch
 
 @dataclass
 class VerifyRows:
-    """The step's verify rows: slots[i] fed [last, *drafts[i]] (rows[i] is its first flat row)."""
+    """The step's verify rows: slots[i] fed [last, *drafts[i]] (rows[i] is its first flat row).
+
+    A draft made on the device stays there until the verify reads the target's tokens back: its rows'
+    ids are copied into the step's input on the device (`device_tokens`), and `drafts` is filled from
+    `pending` by that same read-back, so the draft's forwards run while the host lays the step out."""
 
     slots: list[int] = field(default_factory=list)
     drafts: list[list[int]] = field(default_factory=list)
     draft_probs: list[torch.Tensor | None] = field(default_factory=list)  # [m, V] per row, or None
     rows: list[int] = field(default_factory=list)
+    pending: torch.Tensor | None = None  # [R, k] the drafts on the device, while drafts holds placeholders
 
     def positions(self) -> list[int]:
         """Every fed position of every verify row, rows in order: where the target's logits are read."""
         return [row + j for row, d in zip(self.rows, self.drafts, strict=True) for j in range(len(d) + 1)]
+
+    def device_tokens(self) -> tuple[list[int], torch.Tensor, list[int]] | None:
+        """For drafts still on the device: (the flat rows they feed, the draft tensor flattened, where in
+        it each row's token is); None when the host holds them."""
+        if self.pending is None:
+            return None
+        k = self.pending.shape[1]
+        pairs = [(row + 1 + j, i * k + j) for i, (row, d) in enumerate(zip(self.rows, self.drafts, strict=True))
+                 for j in range(len(d))]
+        return [r for r, _ in pairs], self.pending.reshape(-1), [s for _, s in pairs]
 
     def take_rows(self, step: StepBatch) -> int:
         """Move the verify rows out of the rows the sampler draws: their logits are read at every fed
@@ -102,17 +117,23 @@ class SpecDecoder:
         if not asking:
             return chunks, verify
         draft = self.proposer.propose([c.slot for c in asking], max(c.num_draft for c in asking))
-        ids = draft.token_ids.tolist()
+        # A model's drafts are read back with the verify's tokens, not now (VerifyRows).
+        ids = None if self.proposer.drafts_on_device else draft.token_ids.tolist()
         replaced: dict[int, SeqChunk] = {}
+        picked = []
         for i, chunk in enumerate(asking):
             m = min(draft.length(i), chunk.num_draft)
             if m == 0:
                 continue
+            picked.append(i)
+            tokens = ids[i][:m] if ids is not None else [0] * m
             verify.slots.append(chunk.slot)
-            verify.drafts.append(ids[i][:m])
+            verify.drafts.append(tokens)
             verify.draft_probs.append(None if draft.probs is None else draft.probs[i, :m])
-            replaced[chunk.slot] = SeqChunk(chunk.slot, [self._last[chunk.slot], *ids[i][:m]],
+            replaced[chunk.slot] = SeqChunk(chunk.slot, [self._last[chunk.slot], *tokens],
                                             chunk.append_block_ids, True, chunk.num_draft)
+        if ids is None and picked:
+            verify.pending = draft.token_ids.index_select(0, _index(picked, draft.token_ids.device))
         return [replaced.get(c.slot, c) for c in chunks], verify
 
     def verify(self, logits: torch.Tensor, verify: VerifyRows, slots: SlotState) -> VerifyOut:
@@ -140,7 +161,16 @@ class SpecDecoder:
         # Every position's argmax and whether its logits are bad (as the sampler judges rows), in one
         # read-back: the step's only wait for a greedy batch.
         argmax, bad = argmax_and_bad_rows(logits)
-        target, bad_rows = torch.stack([argmax, bad.to(torch.int64)]).tolist()
+        parts = [argmax, bad.to(torch.int64)]
+        if verify.pending is not None:
+            parts.append(verify.pending.reshape(-1))
+        host = torch.cat(parts).tolist()
+        n = len(argmax)
+        target, bad_rows = host[:n], host[n : 2 * n]
+        if verify.pending is not None:  # the drafts, read back with the target's tokens
+            k = verify.pending.shape[1]
+            verify.drafts = [host[2 * n + i * k : 2 * n + i * k + len(d)] for i, d in enumerate(verify.drafts)]
+            verify.pending = None
         offsets = [0]
         for d in verify.drafts:
             offsets.append(offsets[-1] + len(d) + 1)
@@ -178,9 +208,12 @@ class SpecDecoder:
         clean = torch.nan_to_num(logits.to(torch.float32), nan=0.0, posinf=0.0, neginf=-torch.inf)
         return target_probs(clean, temperature, top_k, top_p, min_p)
 
-    def target_step(self, chunks: list[SeqChunk], batch: StepBatch) -> TargetStep:
-        """What the step fed (a decode: the slot's newest token); kept and new tokens come with its result."""
-        fed = [list(c.token_ids) or [self._last[c.slot]] for c in chunks]
+    def target_step(self, chunks: list[SeqChunk], batch: StepBatch, verify: VerifyRows) -> TargetStep:
+        """What the step fed (a decode: the slot's newest token; a verify row: its drafts, read back by
+        now); kept and new tokens come with its result."""
+        drafts = dict(zip(verify.slots, verify.drafts, strict=True))
+        fed = [[c.token_ids[0], *drafts[c.slot]] if c.slot in drafts else list(c.token_ids) or [self._last[c.slot]]
+               for c in chunks]
         starts = [length - n for length, n in zip(batch.seq_lens, batch.query_lens, strict=True)]
         return TargetStep([c.slot for c in chunks], fed, starts, [len(f) for f in fed], [[] for _ in chunks])
 

@@ -91,6 +91,8 @@ class ChainDrafter(Proposer):
     """The base of the model drafts: its cache, per-slot state and the chain. A subclass runs its model
     (`_hidden`, `_logits`, `_to_target`) and says what observe() feeds (`_catch_up`)."""
 
+    drafts_on_device = True
+
     def __init__(self, device: torch.device, max_slots: int, hidden: int, dtype: torch.dtype,
                  max_tokens: int) -> None:
         self.device = torch.device(device)

@@ -95,10 +95,13 @@ class Proposer(ABC):
     Class attributes a proposer may override:
     wants_hidden: observe() gets the target's last hidden states (draft heads).
     capture_layers: target layer indices whose outputs observe() gets in aux_hidden (EAGLE-3).
+    drafts_on_device: propose() returns token ids made on the runner's device (a model draft): the
+        runner feeds them without reading them back first (decoder.VerifyRows.pending).
     """
 
     wants_hidden: bool = False
     capture_layers: tuple[int, ...] = ()
+    drafts_on_device: bool = False
 
     @abstractmethod
     def register(self, slot: int, token_ids: list[int]) -> None:

@@ -14,7 +14,6 @@ captured cannot be torn down (app/worker/parallel.py).
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import traceback
 from collections.abc import Callable
@@ -23,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from app.net import free_port
+from tests.support.ranks import run_ranks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -113,29 +112,9 @@ def _two_gpu_rank(rank: int, init: str, queue: Any) -> None:
     os._exit(0)
 
 
-def run_ranks(target: Callable[..., None]) -> dict[int, tuple[list[str], Any]]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    init = f"tcp://127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=target, args=(rank, init, queue), daemon=True) for rank in range(2)]
-    for proc in procs:
-        proc.start()
-    try:
-        results = {}
-        for _ in procs:
-            rank, wrong, extra = queue.get(timeout=RANK_TIMEOUT_S)
-            results[rank] = (wrong, extra)
-        return results
-    finally:
-        for proc in procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-
-
 @two_gpus
 def test_one_shot_equals_nccl_on_two_gpus() -> None:
-    results = run_ranks(_two_gpu_rank)
+    results = run_ranks(_two_gpu_rank, 2, timeout_s=RANK_TIMEOUT_S)
     for rank in range(2):
         wrong, path = results[rank]
         assert wrong == [], (rank, wrong, path)

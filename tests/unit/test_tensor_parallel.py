@@ -6,7 +6,6 @@ the single-process run."""
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
 import traceback
 from pathlib import Path
 from typing import Any
@@ -15,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from app.net import free_port
 from app.worker.model_runner import ModelRunner
 from tests.support.model_factory import build_tiny_model, write_fp8_checkpoint
+from tests.support.ranks import run_ranks
 from tests.unit.test_model_runner import CPU, Request, ScriptedScheduler, make_settings, prompts_for
 
 JOIN_TIMEOUT_S = 120
@@ -60,7 +59,7 @@ def expected_shards(full: dict[str, torch.Tensor], config: dict[str, Any], rank:
     return want
 
 
-def _rank_main(rank: int, size: int, init: str, model_dir: str, prompts: list[list[int]], check_shards: bool,
+def _rank_main(rank: int, init: str, size: int, model_dir: str, prompts: list[list[int]], check_shards: bool,
                queue: Any) -> None:
     try:
         torch.set_num_threads(1)
@@ -103,25 +102,7 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def run_group(model_dir: Path, size: int, prompts: list[list[int]],
               check_shards: bool = True) -> dict[int, tuple[list[str], Any]]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    init = f"tcp://127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=_rank_main, args=(r, size, init, str(model_dir), prompts, check_shards,
-                                                         queue)) for r in range(size)]
-    for proc in procs:
-        proc.start()
-    try:
-        results = {}
-        for _ in range(size):
-            rank, wrong, outputs = queue.get(timeout=JOIN_TIMEOUT_S)
-            results[rank] = (wrong, outputs)
-        return results
-    finally:
-        for proc in procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+    return run_ranks(_rank_main, size, size, str(model_dir), prompts, check_shards, timeout_s=JOIN_TIMEOUT_S)
 
 
 @pytest.mark.parametrize(("arch", "size"), [("llama", 2), ("qwen2", 2), ("qwen3", 2)])  # 4 ranks: the integration test

@@ -182,8 +182,11 @@ class TorchAttentionBackend(AttentionBackend):
         1.7-2.6x faster there for SmolLM2's shapes at 1 to 8 sequences, and what transformers' default
         (sdpa) attention runs."""
         num_seqs, num_kv, dim = q.shape[0], self.spec.num_kv_heads, self.spec.head_dim
-        keys = k_cache[g.ctx_slots].to(q.dtype)  # [G, L, Hkv, D]
-        values = v_cache[g.ctx_slots].to(q.dtype)
+        # index_select over the flattened slots: 1.7-2.7x faster on the CPU than indexing by the [G, L]
+        # tensor (which took 13% of a 32-sequence step there).
+        flat, shape = g.ctx_slots.view(-1), (*g.ctx_slots.shape, num_kv, dim)
+        keys = k_cache.index_select(0, flat).view(shape).to(q.dtype)  # [G, L, Hkv, D]
+        values = v_cache.index_select(0, flat).view(shape).to(q.dtype)
         if q.device.type == "cpu":
             out = F.scaled_dot_product_attention(
                 q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=g.keep,

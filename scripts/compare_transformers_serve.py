@@ -176,7 +176,7 @@ def load_args(server: Server, model: str, streams: int, args: argparse.Namespace
     argv = ["--base-url", server.base_url, "--model", model, "--endpoint", "completions",
             "--prompt-type", "text", "--num-prompts", str(max(args.min_prompts, streams * args.prompts_per_stream)),
             "--max-concurrency", str(streams), "--input-len", str(args.input_len),
-            "--output-len", str(args.output_len), "--seed", str(args.seed)]
+            "--output-len", str(args.output_len), "--seed", str(args.seed + streams)]
     if server.name == "transformers":
         config = {"max_new_tokens": args.output_len, "min_new_tokens": args.output_len, "do_sample": False}
         argv += ["--no-ignore-eos", "--extra-body", json.dumps({"generation_config": json.dumps(config)})]
@@ -247,14 +247,17 @@ def main(argv: list[str] | None = None) -> int:
             server.start()
             server.wait_ready(args.ready_timeout)
         names = {servers[0].name: "model", servers[1].name: str(model)}
+        # Every load has prompts of its own (a seed per round and concurrency): a prompt seen before would
+        # be a prefix-cache hit, and its TTFT that of one token.
         for server in servers:  # warm both (first-request compilation, allocator growth)
             measure(server, names[server.name], 1, argparse.Namespace(**{**vars(args), "min_prompts": 2,
                                                                           "prompts_per_stream": 2}))
         for round_no in range(args.rounds):
+            round_args = argparse.Namespace(**{**vars(args), "seed": args.seed + 1000 * (round_no + 1)})
             for streams in args.streams:
                 order = servers if (round_no + streams) % 2 == 0 else servers[::-1]
                 for server in order:
-                    run = measure(server, names[server.name], streams, args)
+                    run = measure(server, names[server.name], streams, round_args)
                     runs.setdefault((server.name, streams), []).append(run)
                     print(f"round {round_no} {server.name:12s} {streams:3d} streams: "
                           f"{run['output_tok_s']:7.1f} tok/s, TTFT p50 {run['ttft_p50_ms']:7.1f} ms, "

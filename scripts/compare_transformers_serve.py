@@ -80,21 +80,26 @@ class Server:
             time.sleep(0.5)
         raise TimeoutError(f"{self.name} not ready in {timeout:.0f}s; see {self.log_path}")
 
-    def rss_bytes(self) -> int:
-        """Resident memory of the server and all its descendants, summed."""
+    def rss_by_process(self) -> dict[str, int]:
+        """Resident memory of the server and each of its descendants, by "pid name" (the appliance's
+        children in start order: the resource tracker, http, tokenizer, scheduler, worker)."""
         assert self.proc is not None
         try:
             root = psutil.Process(self.proc.pid)
             procs = [root, *root.children(recursive=True)]
         except psutil.NoSuchProcess:
-            return 0
-        total = 0
+            return {}
+        out = {}
         for proc in procs:
             try:
-                total += proc.memory_info().rss
+                out[f"{proc.pid} {proc.name()}"] = proc.memory_info().rss
             except psutil.NoSuchProcess:
                 pass
-        return total
+        return out
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the server and all its descendants, summed."""
+        return sum(self.rss_by_process().values())
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -112,13 +117,20 @@ class RssSampler:
 
     def __init__(self, server: Server, period: float = 0.25) -> None:
         self.server, self.period, self.peak = server, period, 0
+        self.peak_by_process: dict[str, int] = {}  # each process's own highest RSS
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, self.server.rss_bytes())
+            self._sample()
             self._stop.wait(self.period)
+
+    def _sample(self) -> None:
+        by_process = self.server.rss_by_process()
+        self.peak = max(self.peak, sum(by_process.values()))
+        for name, rss in by_process.items():
+            self.peak_by_process[name] = max(self.peak_by_process.get(name, 0), rss)
 
     def __enter__(self) -> RssSampler:
         self._thread.start()
@@ -127,7 +139,7 @@ class RssSampler:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, self.server.rss_bytes())
+        self._sample()
 
 
 def ensure_peer(venv: Path) -> Path:
@@ -164,7 +176,7 @@ def load_args(server: Server, model: str, streams: int, args: argparse.Namespace
     argv = ["--base-url", server.base_url, "--model", model, "--endpoint", "completions",
             "--prompt-type", "text", "--num-prompts", str(max(args.min_prompts, streams * args.prompts_per_stream)),
             "--max-concurrency", str(streams), "--input-len", str(args.input_len),
-            "--output-len", str(args.output_len), "--seed", str(args.seed)]
+            "--output-len", str(args.output_len), "--seed", str(args.seed + streams)]
     if server.name == "transformers":
         config = {"max_new_tokens": args.output_len, "min_new_tokens": args.output_len, "do_sample": False}
         argv += ["--no-ignore-eos", "--extra-body", json.dumps({"generation_config": json.dumps(config)})]
@@ -180,6 +192,7 @@ def measure(server: Server, model: str, streams: int, args: argparse.Namespace) 
     return {"output_tok_s": result["output_token_throughput"], "ttft_p50_ms": result["ttft_ms"]["p50"],
             "tpot_p50_ms": (result["tpot_ms"] or {}).get("p50"), "mean_output_len": result["mean_output_len"],
             "mean_input_len": result["mean_input_len"], "rss_peak_bytes": rss.peak,
+            "rss_peak_by_process": rss.peak_by_process,
             "duration_s": result["duration_s"]}
 
 
@@ -234,18 +247,23 @@ def main(argv: list[str] | None = None) -> int:
             server.start()
             server.wait_ready(args.ready_timeout)
         names = {servers[0].name: "model", servers[1].name: str(model)}
+        # Every load has prompts of its own (a seed per round and concurrency): a prompt seen before would
+        # be a prefix-cache hit, and its TTFT that of one token.
         for server in servers:  # warm both (first-request compilation, allocator growth)
             measure(server, names[server.name], 1, argparse.Namespace(**{**vars(args), "min_prompts": 2,
                                                                           "prompts_per_stream": 2}))
         for round_no in range(args.rounds):
+            round_args = argparse.Namespace(**{**vars(args), "seed": args.seed + 1000 * (round_no + 1)})
             for streams in args.streams:
                 order = servers if (round_no + streams) % 2 == 0 else servers[::-1]
                 for server in order:
-                    run = measure(server, names[server.name], streams, args)
+                    run = measure(server, names[server.name], streams, round_args)
                     runs.setdefault((server.name, streams), []).append(run)
                     print(f"round {round_no} {server.name:12s} {streams:3d} streams: "
                           f"{run['output_tok_s']:7.1f} tok/s, TTFT p50 {run['ttft_p50_ms']:7.1f} ms, "
-                          f"RSS {run['rss_peak_bytes'] / 2**20:6.0f} MiB", file=sys.stderr, flush=True)
+                          f"RSS {run['rss_peak_bytes'] / 2**20:6.0f} MiB (" + ", ".join(
+                              f"{name.split()[0]}: {rss / 2**20:.0f}" for name, rss in run["rss_peak_by_process"].items())
+                          + ")", file=sys.stderr, flush=True)
     finally:
         for server in servers:
             server.stop()

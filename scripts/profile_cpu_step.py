@@ -41,7 +41,7 @@ class Driver:
     def __init__(self, runner: Any, batch: int, prompt_len: int, block_size: int = 16) -> None:
         self.runner, self.step, self.batch, self.block_size = runner, 0, batch, block_size
         self.lens = [prompt_len] * batch
-        per_seq = 512 // block_size  # room for 512 tokens each
+        per_seq = min(512 // block_size, runner.pool.num_blocks // batch)  # up to 512 tokens each
         self.blocks = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
         g = torch.Generator().manual_seed(0)
         new = [NewSeq(slot=i, rid=f"r{i}", sampling=SamplingParams(temperature=0.0), num_prompt_tokens=prompt_len,

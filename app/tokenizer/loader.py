@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 from app.config.settings import Settings
@@ -10,6 +14,33 @@ from app.config.settings import Settings
 logger = logging.getLogger(__name__)
 
 TOKENIZER_MODES = ("auto",)
+
+
+@contextlib.contextmanager
+def transformers_without_torch() -> Iterator[None]:
+    """Import transformers (for the tokenizer) as if torch were not installed, in a process that has
+    imported neither yet: transformers imports torch wherever it is installed (AutoTokenizer ->
+    configuration_utils -> modeling_rope_utils), 0.24 GB of resident memory that a process which only
+    tokenizes never uses. A None in sys.modules makes importlib's find_spec, hence transformers'
+    is_torch_available (cached for the process), report torch absent; torch itself stays importable
+    afterwards (XGrammar imports it with the first grammar). A no-op where either is loaded already."""
+    if "torch" in sys.modules or "transformers" in sys.modules:
+        yield
+        return
+    sys.modules["torch"] = None  # type: ignore[assignment]
+    quiet = os.environ.get("TRANSFORMERS_NO_ADVISORY_WARNINGS")
+    os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"  # no "PyTorch was not found" at import
+    try:
+        import transformers  # noqa: F401 (imported here, where it cannot see torch)
+
+        yield
+    finally:
+        if sys.modules.get("torch", 0) is None:
+            del sys.modules["torch"]
+        if quiet is None:
+            os.environ.pop("TRANSFORMERS_NO_ADVISORY_WARNINGS", None)
+        else:
+            os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = quiet
 
 
 def tokenizer_source(settings: Settings) -> str:

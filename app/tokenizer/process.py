@@ -22,7 +22,7 @@ from app.ipc import Endpoints
 from app.protocol import EngineInfo, ProcessReady, ProtocolError, Shutdown
 from app.tokenizer.chat import resolve_chat_template
 from app.tokenizer.core import SCHEDULER, Outgoing, TokenizerCore
-from app.tokenizer.loader import load_tokenizer_from_settings
+from app.tokenizer.loader import load_tokenizer_from_settings, transformers_without_torch
 from app.tokenizer.router import Router
 
 logger = logging.getLogger(__name__)
@@ -51,7 +51,8 @@ def run_tokenizer(settings: Settings, endpoints: Endpoints) -> None:
         )
         supervisor = ipc.connect_push(ctx, endpoints.inbox("supervisor"))
         sockets = [inbox, *outs.schedulers, outs.http, supervisor]
-        core, engine = _build_core(settings)
+        with transformers_without_torch():  # this process tokenizes: torch would only cost memory
+            core, engine = _build_core(settings)
         lifecycle.settle_heap()
         ipc.send(supervisor, ProcessReady(name="tokenizer", pid=os.getpid(), engine=engine))
         _serve(core, inbox, outs, lifecycle.Heartbeat.attach(endpoints.runtime_dir, "tokenizer"))

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from app.config.settings import Settings
+from app.worker.layers.linear import use_cpu_weight_layout
 from app.worker.loader import (
     eos_token_ids,
     load_hf_config,
@@ -88,6 +89,8 @@ def build_model(setup: ModelSetup, device: torch.device, tp: TensorParallel, loa
         model = cls(setup.config, setup.dtype, setup.max_model_len, quant=quant, tp=tp)
     model.to(device)  # the RoPE tables are built on the CPU
     fmt = load_weights(model, setup.model_dir, load_format, progress)
+    if device.type == "cpu":
+        use_cpu_weight_layout(model)
     model.eval()
     weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     logger.info(

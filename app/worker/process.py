@@ -11,7 +11,9 @@ Pipelining: the scheduler keeps two steps in flight, and the worker launches a p
 arrives, before it reads the tokens of the step still running (ModelRunner.launch / finish), so the
 GPU does not wait for the host (staging, sampling launches, the token readback, IPC) between steps.
 Results still go out in step order, and a failure in the later step's launch cannot hold back the
-earlier step's result.
+earlier step's result. On the CPU a launch computes the whole step before it returns, so there is no
+device to keep busy: the worker sends a step's result before it launches the next (overlap off), or every
+token would wait a whole step more to go out (the first one included).
 
 Tensor parallelism (app/worker/parallel.py): only TP rank 0, the leader, has ZMQ sockets to the
 scheduler. It relays every message it takes to the other ranks before acting on it (and an empty one
@@ -146,18 +148,20 @@ def _lead(runner, ready: p.WorkerReady, place: WorkerPlace, endpoints: Endpoints
     lifecycle.settle_heap()
     ipc.send(supervisor, p.ProcessReady(place.name, os.getpid(), ready.info, runner.engine_info()))
     try:
-        serve_steps(runner, inbox, results, heartbeat, FaultInjector.from_env(), relay=tp if tp.size > 1 else None)
+        serve_steps(runner, inbox, results, heartbeat, FaultInjector.from_env(), relay=tp if tp.size > 1 else None,
+                    overlap=runner.device.type != "cpu")
     finally:
         results.close(linger=1000)  # the last result (a failure's) must reach the scheduler
 
 
 def serve_steps(runner, inbox: zmq.Socket, results: zmq.Socket, heartbeat: lifecycle.Heartbeat | None = None,
-                faults: FaultInjector | None = None, relay: TensorParallel | None = None) -> None:
+                faults: FaultInjector | None = None, relay: TensorParallel | None = None,
+                overlap: bool = True) -> None:
     """Serve plans until Shutdown, at most one launched step's result unsent (see the module docstring).
     Control messages and Shutdown are handled once the step in flight is finished and its result sent.
     With tensor parallelism (`relay`), every message goes to the other ranks first, and an empty one
-    every idle poll keeps their heartbeats going."""
-    steps = StepPipeline(runner, lambda result: ipc.send(results, result), faults)
+    every idle poll keeps their heartbeats going. overlap: see StepPipeline."""
+    steps = StepPipeline(runner, lambda result: ipc.send(results, result), faults, overlap)
     while True:
         lifecycle.beat(heartbeat)
         if steps.inflight is not None:
@@ -235,17 +239,23 @@ class InFlight:
 
 class StepPipeline:
     """Launches steps, and finishes and sends them in order; counts consecutive failures. send: where
-    results go (the scheduler's socket; a list in benchmarks)."""
+    results go (the scheduler's socket; a list in benchmarks). overlap: launch step N+1 before reading
+    step N (a device that runs asynchronously); off, step N is finished and sent first (the CPU)."""
 
-    def __init__(self, runner, send: Callable[[p.StepResult], None], faults: FaultInjector | None = None) -> None:
+    def __init__(self, runner, send: Callable[[p.StepResult], None], faults: FaultInjector | None = None,
+                 overlap: bool = True) -> None:
         self.runner = runner
         self.send = send
         self.faults = faults
+        self.overlap = overlap
         self.inflight: InFlight | None = None
         self.failures = 0
 
     def launch(self, plan: p.StepPlan) -> None:
-        """Launch `plan`, then complete the step before it: its tokens are read once the next is queued."""
+        """Launch `plan`, then complete the step before it: its tokens are read once the next is queued
+        (without overlap, before it is launched)."""
+        if not self.overlap:
+            self.complete()
         launched = launch_step(self.runner, plan, self.faults)
         self.complete()
         self.inflight = launched

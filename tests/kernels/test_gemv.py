@@ -207,3 +207,10 @@ def table_loop_loads() -> int:
 @pytest.mark.slow  # compiles the table's kernels for sm_90
 def test_table_configs_pipeline_their_loads_on_sm90() -> None:
     check_in_compiler_process("tests.kernels.test_gemv:table_loop_loads")
+
+
+def test_the_workers_gemv_row_limit_is_the_kernels() -> None:
+    """app keeps its own copy of MAX_M so that a CPU worker never imports the kernels (Triton)."""
+    from app.worker.layers.linear import GEMV_MAX_M
+
+    assert GEMV_MAX_M == gemv_module.MAX_M

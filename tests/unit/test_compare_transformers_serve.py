@@ -60,3 +60,16 @@ def test_rss_is_summed_over_the_process_tree(tmp_path: Path) -> None:
     finally:
         server.stop()
     assert server.proc.poll() is not None
+
+
+def test_each_concurrency_gets_prompts_of_its_own(tmp_path: Path) -> None:
+    """A prompt sent before would hit the appliance's prefix cache: its TTFT would be one token's."""
+    cmp = load_script()
+    args, _ = cmp.parse_args([])
+    ours = cmp.appliance(Path("/m"), 1, tmp_path, [])
+    prompts = {}
+    for streams in (1, 8):
+        load = cmp.load_args(ours, "m", streams, args)
+        jobs = serving.make_jobs(load, serving.random.Random(load.seed))
+        prompts[streams] = {job.prompt for job in jobs}
+    assert not prompts[1] & prompts[8]

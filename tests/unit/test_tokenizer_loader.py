@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -46,3 +48,22 @@ def test_eos_merges_generation_config(tok_dir, tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
     tok = load_tokenizer(str(tmp_path))
     assert eos_token_ids(tok, str(tmp_path)) == [2, 0]
+
+
+def test_tokenizer_process_loads_without_torch(tok_dir):
+    """The tokenizer process's imports and its tokenizer leave torch unloaded (0.24 GB of RSS), and torch
+    stays importable afterwards (XGrammar needs it with the first grammar)."""
+    code = (
+        "import sys\n"
+        "from app.tokenizer.process import run_tokenizer\n"
+        "from app.tokenizer.loader import load_tokenizer, transformers_without_torch\n"
+        "with transformers_without_torch():\n"
+        f"    tok = load_tokenizer({str(tok_dir)!r})\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "assert tok.decode(tok.encode('Hello, world!')) == 'Hello, world!'\n"
+        "import torch\n"
+        "assert torch.ones(2).sum().item() == 2\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "PyTorch was not found" not in done.stderr

@@ -373,6 +373,20 @@ def test_serve_steps_pipelines_queued_plans_and_keeps_step_order(
         assert calls.index(("launch", step + 1)) < calls.index(("finish", step)), calls[: 2 * step + 4]
 
 
+
+def test_without_overlap_each_step_is_sent_before_the_next_is_launched(
+    model_dir: Path, reference: list[StepResult], sockets: Sockets
+) -> None:
+    """The CPU worker's order: a launch computes the whole step, so its result goes out at once."""
+    runner = make_runner(model_dir)
+    recorder = Recorder(runner)
+    sockets.queue([*plans_for(runner), Shutdown("done")])
+    serve_steps(recorder, sockets.inbox, sockets.results, overlap=False)
+    assert sockets.take_results() == reference
+    calls = recorder.calls
+    for step in range(len(reference) - 1):
+        assert calls.index(("finish", step)) < calls.index(("launch", step + 1)), calls[: 2 * step + 4]
+
 def test_a_failed_launch_still_sends_the_previous_step_first(
     model_dir: Path, reference: list[StepResult], sockets: Sockets
 ) -> None:

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from app.worker.attention.base import AttentionBackend, AttentionBatch, AttentionMetadata, AttentionSpec
 from app.worker.kv_cache import KVCache
@@ -23,12 +22,24 @@ from app.worker.quantization.kv import write_kv
 DEFAULT_DECODE_GROUP_TOKENS = 1 << 16
 
 
+def lower_right_causal(n: int, seq_len: int, device: torch.device) -> torch.Tensor:
+    """The mask of n new tokens at the end of seq_len positions: token i sits at seq_len - n + i and sees
+    every position up to it. On CUDA, torch's CausalBias, which SDPA's fused kernels apply without
+    materialising [n, L]; on the CPU, SDPA would materialise it anyway, so a boolean [n, L] mask, and the
+    CPU worker never imports torch.nn.attention.bias (it loads torch._dynamo, Triton and SymPy: 0.15 GB)."""
+    if device.type == "cpu":
+        return torch.ones(n, seq_len, dtype=torch.bool, device=device).tril(seq_len - n)
+    from torch.nn.attention.bias import causal_lower_right
+
+    return causal_lower_right(n, seq_len)
+
+
 @dataclass
 class _PrefillPlan:
     start: int  # first new token row
     end: int
     ctx_slots: torch.Tensor  # [L] KV slots of the whole context
-    mask: CausalBias | None  # causal aligned to the last query (a cached prefix precedes); None: plain causal
+    mask: torch.Tensor | None  # causal aligned to the last query (a cached prefix precedes); None: plain causal
 
 
 @dataclass
@@ -81,9 +92,7 @@ class TorchAttentionBackend(AttentionBackend):
         rows = torch.tensor([b], device=device)
         slots = self._context_slots(batch, rows, seq_len)[0]
         n = end - start
-        # New token i sits at position seq_len - n + i and sees every position up to it: the lower-right
-        # causal mask, which SDPA's fused kernels apply without materialising [n, L].
-        mask = None if n == seq_len else causal_lower_right(n, seq_len)
+        mask = None if n == seq_len else lower_right_causal(n, seq_len, device)
         return _PrefillPlan(start, end, slots, mask)
 
     def _group_decodes(self, decodes: list[int], seq_lens: list[int]) -> list[list[int]]:
@@ -173,8 +182,11 @@ class TorchAttentionBackend(AttentionBackend):
         1.7-2.6x faster there for SmolLM2's shapes at 1 to 8 sequences, and what transformers' default
         (sdpa) attention runs."""
         num_seqs, num_kv, dim = q.shape[0], self.spec.num_kv_heads, self.spec.head_dim
-        keys = k_cache[g.ctx_slots].to(q.dtype)  # [G, L, Hkv, D]
-        values = v_cache[g.ctx_slots].to(q.dtype)
+        # index_select over the flattened slots: 1.7-2.7x faster on the CPU than indexing by the [G, L]
+        # tensor (which took 13% of a 32-sequence step there).
+        flat, shape = g.ctx_slots.view(-1), (*g.ctx_slots.shape, num_kv, dim)
+        keys = k_cache.index_select(0, flat).view(shape).to(q.dtype)  # [G, L, Hkv, D]
+        values = v_cache.index_select(0, flat).view(shape).to(q.dtype)
         if q.device.type == "cpu":
             out = F.scaled_dot_product_attention(
                 q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=g.keep,

@@ -17,15 +17,16 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
-from tokenspeed_kernels.gemv import MAX_M as GEMV_MAX_M
-from tokenspeed_kernels.gemv import gemv, measured_config
 from torch import nn
 
+from app.worker.layers.fused import kernel_module
 from app.worker.parallel import SINGLE, TensorParallel
 
 if TYPE_CHECKING:
     from app.worker.quantization.fp8 import Fp8Rows
 
+# Rows up to which a decode-sized matmul may run kernels/gemv.py (its MAX_M, which a test checks).
+GEMV_MAX_M = 16
 # Attribute set on fused parameters: {shard_id: (first_row, num_rows)}.
 SHARD_ROWS = "shard_rows"
 # Attributes a quantization method sets on its parameters: a callable(tensor, shard_id) that copies
@@ -116,12 +117,28 @@ class Linear(nn.Module):
         if self.quant is not None:
             return self.quant.apply(self, x, bias)
         if x.is_cuda and x.dim() == 2 and x.shape[0] <= GEMV_MAX_M:
-            config = measured_config(x.shape[0], *self.weight.shape, self.weight.dtype)
+            gemv = kernel_module("gemv")  # loaded on CUDA only: a CPU worker never imports Triton
+            config = gemv.measured_config(x.shape[0], *self.weight.shape, self.weight.dtype)
             if config is not None:  # decode-sized, and kernels/gemv.py beat cuBLAS on this shape
-                y = gemv(x, self.weight, None, config)
+                y = gemv.gemv(x, self.weight, None, config)
                 return y if bias is None else y + bias
         return F.linear(x, self.weight, bias)
 
+
+
+def use_cpu_weight_layout(model: nn.Module) -> int:
+    """On the CPU, store every unquantized linear's [out, in] weight as the transpose of a contiguous
+    [in, out] tensor, one layer at a time. F.linear then hands MKL a row-major right-hand operand, which
+    on an AVX2 host made SmolLM2's decoder linears 1.3x faster at one row and 1.1x at a 128-token
+    prefill (the batch-1 step 12-23% faster, batch 8 and 32 2-4%). The parameter keeps its shape, so
+    loading, TP slices and weight updates work unchanged. Returns the number of layers changed."""
+    changed = 0
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, Linear) and module.quant is None and module.weight.device.type == "cpu":
+                module.weight.data = module.weight.data.t().contiguous().t()
+                changed += 1
+    return changed
 
 class RowParallelLinear(Linear):
     """A linear whose input features are split over the TP ranks (o_proj, down_proj): partial products

@@ -22,9 +22,9 @@ Two implementations of the same numbers:
 from __future__ import annotations
 
 import torch
-from tokenspeed_kernels.fp8_quant import quantize_rows as fused_quantize_rows
-from tokenspeed_kernels.gemv import MAX_M, gemv
 
+from app.worker.layers.fused import kernel_module
+from app.worker.layers.linear import GEMV_MAX_M
 from app.worker.quantization.fp8 import FP8_DTYPE, Fp8Rows, quantize, quantize_rows
 
 SCALED_MM_ROWWISE = "scaled_mm_rowwise"  # SM90+
@@ -32,7 +32,7 @@ SCALED_MM_TENSORWISE = "scaled_mm_tensorwise"  # SM89
 EMULATED = "emulated"
 BACKENDS = (SCALED_MM_ROWWISE, SCALED_MM_TENSORWISE, EMULATED)
 # Up to this many rows the _scaled_mm backends run the FP8 GEMV instead (kernels/gemv.py).
-GEMV_MAX_ROWS = MAX_M
+GEMV_MAX_ROWS = GEMV_MAX_M
 
 
 def gemm_backend(device: torch.device, in_features: int, out_features: int) -> str:
@@ -49,7 +49,7 @@ def quantize_input(x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[t
     """[M, K] activations -> (FP8 codes, float32 scales [M, 1]): per token (on CUDA one fused kernel with
     the same codes), or the static scale."""
     if input_scale is None:
-        return fused_quantize_rows(x.contiguous()) if x.is_cuda else quantize_rows(x)
+        return kernel_module("fp8_quant").quantize_rows(x.contiguous()) if x.is_cuda else quantize_rows(x)
     scale = input_scale.reshape(1, 1).expand(x.shape[0], 1).contiguous()
     return quantize(x, input_scale), scale
 
@@ -83,7 +83,7 @@ def _product(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weig
     """W8A8: codes [M, K] with scales [M, 1] (per token, or the static scale) times the weight, by the
     backend's GEMM, in dtype."""
     if _runs_gemv(backend, xq.shape[0]):
-        return gemv(xq.contiguous(), weight, weight_scale, x_scale=x_scale, out_dtype=dtype)
+        return kernel_module("gemv").gemv(xq.contiguous(), weight, weight_scale, x_scale=x_scale, out_dtype=dtype)
     if backend == SCALED_MM_ROWWISE:
         return _scaled_mm_rowwise(xq, x_scale, weight, weight_scale, dtype)
     if backend == SCALED_MM_TENSORWISE:

@@ -41,10 +41,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from tokenspeed_kernels.grammar_mask import apply_bitmask
 
 from app.grammar import cache_key
 from app.protocol import GrammarSpec
+from app.worker.layers.fused import kernel_module
 from app.worker.transfer import upload
 
 logger = logging.getLogger(__name__)
@@ -211,7 +211,7 @@ class GrammarRows:
             return
         bitmask = host[: len(live)].to(self.device, non_blocking=True)
         self._copied[self._turn].record()
-        apply_bitmask(logits, bitmask, upload(rows, torch.int32, self.device))
+        kernel_module("grammar_mask").apply_bitmask(logits, bitmask, upload(rows, torch.int32, self.device))
 
     def _next_host_mask(self) -> torch.Tensor:
         """The host bitmask to fill now: on CUDA the page-locked buffer whose last copy ran longest ago

@@ -12,17 +12,24 @@ Experts: w13 [E, 2I, H] holds each expert's gate rows then its up rows, w2 [E, H
   projection, each program taking BLOCK_M rows of one expert and a BLOCK_N slice of its outputs. The
   first reads the expert's gate and up rows together and writes SiLU(gate) * up per pair; the second
   multiplies the routing weight in.
-- Decode (a few pairs): one program per pair and BLOCK_N slice, a GEMV in float32 registers reading only
-  the weights of the experts the pairs picked; no sort, no padding.
-A token's k weighted outputs are then summed in one more launch (a sum over k: deterministic, unlike
-atomic adds into the output). Under programmatic dependent launch (common.set_pdl) each kernel waits for
-the one before it first, as the other decode-path kernels do. FP8 codes are converted to the activation dtype in registers (exact) and
+- Decode (a few pairs): a GEMV in float32 registers reading only the weights of the experts the pairs
+  picked, no sort, no padding: gate/up one program per pair and BLOCK_N slice; down one program per
+  token and BLOCK_N slice, looping over the token's k pairs, so that the top-k weighted sum is taken
+  there in a fixed order (deterministic, unlike atomic adds into the output): two launches in all.
+The grouped shape sums a token's k weighted outputs in one more launch. Under programmatic dependent
+launch (common.set_pdl) each kernel waits for the one before it first, as the other decode-path kernels
+do. Tiles: the table bench_moe.py --tune measured on the H200 (moe_configs.json beside this file, keyed
+by path, experts, the weight's N and K, 16-bit or FP8, token bucket), else the defaults below.
+FP8 codes are converted to the activation dtype in registers (exact) and
 the per-channel scales multiply the float32 sums.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -203,13 +210,12 @@ def _epilogue(acc, acc_up, scales, rn, n_ok, N, GATED: tl.constexpr, HAS_SCALE: 
 
 @triton.jit
 def _moe_gemv_kernel(
-    a_ptr, w_ptr, scale_ptr, c_ptr, route_ptr, ids_ptr,
-    N, K, stride_am, stride_we, stride_wn, stride_se, stride_cm,
-    A_DIV: tl.constexpr, GATED: tl.constexpr, MUL_ROUTE: tl.constexpr, HAS_SCALE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    a_ptr, w_ptr, scale_ptr, c_ptr, ids_ptr, N, K, stride_am, stride_we, stride_wn, stride_se, stride_cm,
+    A_DIV: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """The decode shape: c[pair, n] for one pair and BLOCK_N outputs, products in float32 registers summed
-    over K once at the end."""
+    """The decode shape's gate and up: mid[pair, n] = SiLU(gate) * up for one pair and BLOCK_N outputs,
+    products in float32 registers summed over K once at the end."""
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     wait_for_predecessor(USE_PDL)  # the expert ids and the activations come from the kernels before
@@ -227,28 +233,181 @@ def _moe_gemv_kernel(
         a = tl.load(a_row + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
         w_mask = n_ok[:, None] & k_ok[None, :]
         acc += tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0).to(tl.float32) * a
-        if GATED:
-            acc_up += tl.load(w_rows + N * stride_wn + kk[None, :], mask=w_mask, other=0.0).to(tl.float32) * a
+        acc_up += tl.load(w_rows + N * stride_wn + kk[None, :], mask=w_mask, other=0.0).to(tl.float32) * a
     # [1, BLOCK_N] rows so that the epilogue's broadcasts are the grouped kernel's
     out = _epilogue(tl.sum(acc, 1)[None, :], tl.sum(acc_up, 1)[None, :], scale_ptr + expert * stride_se, rn,
-                    n_ok, N, GATED, HAS_SCALE)  # fmt: skip
-    if MUL_ROUTE:
-        out = out * tl.load(route_ptr + pair)
+                    n_ok, N, True, HAS_SCALE)  # fmt: skip
     tl.store(c_ptr + pair.to(tl.int64) * stride_cm + rn[None, :], out.to(c_ptr.dtype.element_ty),
              mask=n_ok[None, :])  # fmt: skip
 
 
-def pick_config(pairs: int) -> MoeConfig:
-    """Row tiles sized to the pairs an expert gets on average at most: small prefills waste less padding."""
+@triton.jit
+def _moe_down_sum_kernel(
+    a_ptr, w_ptr, scale_ptr, c_ptr, route_ptr, ids_ptr, N, K, stride_am, stride_we, stride_wn, stride_se,
+    stride_cm, TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """The decode shape's down projection with the top-k sum folded in: out[token, n] for one token and
+    BLOCK_N outputs, the sum over its k pairs of weight * (down rows of the pair's expert) . mid[pair],
+    taken in a fixed order in float32 registers (deterministic, unlike atomic adds)."""
+    token = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    wait_for_predecessor(USE_PDL)  # mid and the routing come from the kernels before
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    rk = tl.arange(0, BLOCK_K)
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for j in range(TOP_K):
+        pair = token * TOP_K + j
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        a_row = a_ptr + pair.to(tl.int64) * stride_am
+        w_rows = w_ptr + expert * stride_we + rn[:, None].to(tl.int64) * stride_wn
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            k_ok = kk < K
+            a = tl.load(a_row + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            acc += tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * a
+        part = tl.sum(acc, 1)
+        if HAS_SCALE:
+            part = part * tl.load(scale_ptr + expert * stride_se + rn, mask=n_ok, other=0.0)
+        total += part * tl.load(route_ptr + pair)
+    tl.store(c_ptr + token.to(tl.int64) * stride_cm + rn, total.to(c_ptr.dtype.element_ty), mask=n_ok)
+
+
+# ---------------------------------------------------------------- configurations
+
+# Token counts the kept table is measured at: a count takes the configuration of the next bucket up.
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+TABLE_PATH = Path(__file__).with_name("moe_configs.json")
+
+
+def token_bucket(tokens: int) -> int:
+    return next((b for b in TOKEN_BUCKETS if b >= tokens), TOKEN_BUCKETS[-1])
+
+
+def weight_kind(dtype: torch.dtype) -> str:
+    """The table's name of a weight dtype: the 16-bit types run the same code at the same speed; float32
+    (not measured) keeps the defaults."""
+    return "fp8" if dtype == FP8_DTYPE else "32" if dtype == torch.float32 else "16"
+
+
+def load_table(path: Path = TABLE_PATH) -> dict[tuple, Any]:
+    """The kept table (bench_moe.py --tune writes it): (path, E, N, K, weight kind, token bucket) ->
+    configuration, with path "gemv" (MoeDecodeConfig), "grouped" (MoeConfig), or "choice" (True: the
+    decode shape was faster at this bucket, keyed by E, top_k, H and I instead of N and K)."""
+    if not path.exists():
+        return {}
+    data = json.loads(path.read_text())
+    table: dict[tuple, Any] = {}
+    for row in data.get("configs", []):
+        cls = MoeDecodeConfig if row["path"] == "gemv" else MoeConfig
+        key = (row["path"], row["experts"], row["n"], row["k"], row["weights"], row["tokens"])
+        table[key] = cls(**row["config"])
+    for row in data.get("choices", []):
+        key = ("choice", row["experts"], row["top_k"], row["hidden"], row["intermediate"], row["weights"],
+               row["tokens"])  # fmt: skip
+        table[key] = row["decode"]
+    return table
+
+
+_TABLE = load_table()
+
+
+def measured(path: str, e: int, n: int, k: int, dtype: torch.dtype, tokens: int) -> Any:
+    """The table's configuration for E experts' [N, K] weights on one path ("gemv" or "grouped"), None
+    where nothing was measured."""
+    return _TABLE.get((path, e, n, k, weight_kind(dtype), token_bucket(tokens)))
+
+
+def pick_config(pairs: int, e: int = 0, n: int = 0, k: int = 0, dtype: torch.dtype | None = None,
+                tokens: int = 0) -> MoeConfig:  # fmt: skip
+    """The measured tile for a grouped GEMM of E experts' [N, K] weights at this token count, else row
+    tiles sized to the pairs an expert gets on average at most: small prefills waste less padding."""
     if INTERPRETING:
         return MoeConfig(block_m=16, block_n=16, block_k=32)
-    return MoeConfig(block_m=16 if pairs <= 256 else 64)
+    found = measured("grouped", e, n, k, dtype, tokens) if dtype is not None else None
+    return found or MoeConfig(block_m=16 if pairs <= 256 else 64)
 
 
-def pick_decode_config(n: int, k: int) -> MoeDecodeConfig:
+def pick_decode_config(n: int, k: int, e: int = 0, dtype: torch.dtype | None = None,
+                       tokens: int = 1) -> MoeDecodeConfig:  # fmt: skip
+    """The measured tile for a decode GEMV of E experts' [N, K] weights at this token count, else the
+    default."""
     if INTERPRETING:
         return MoeDecodeConfig(block_n=8, block_k=32)
-    return MoeDecodeConfig()
+    found = measured("gemv", e, n, k, dtype, tokens) if dtype is not None else None
+    return found or MoeDecodeConfig()
+
+
+def measured_choice(tokens: int, top_k: int, w13: torch.Tensor) -> bool | None:
+    """Whether the decode shape measured faster than the grouped one for these experts at this token
+    count; None where not measured."""
+    e, two_i, h = w13.shape
+    if tokens > TOKEN_BUCKETS[-1]:
+        return None
+    return _TABLE.get(("choice", e, top_k, h, two_i // 2, weight_kind(w13.dtype), token_bucket(tokens)))
+
+
+def decode_shape_for(tokens: int, top_k: int, w13: torch.Tensor) -> bool:
+    """The decode shape where the table measured it faster, else use_decode_shape's rule."""
+    found = None if INTERPRETING else measured_choice(tokens, top_k, w13)
+    return found if found is not None else use_decode_shape(tokens * top_k, w13.shape[0], top_k)
+
+
+# ---------------------------------------------------------------- launchers
+
+
+def expert_gemv_up(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor | None, flat_ids: torch.Tensor,
+                   top_k: int, cfg: MoeDecodeConfig) -> torch.Tensor:  # fmt: skip
+    """mid [pairs, I] = SiLU(gate) * up of each pair's expert on its token's row of x (the decode shape)."""
+    pairs, inter = flat_ids.numel(), w13.shape[1] // 2
+    mid = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    s = s13 if s13 is not None else mid  # unread without HAS_SCALE
+    _moe_gemv_kernel[(pairs, triton.cdiv(inter, cfg.block_n))](
+        x, w13, s, mid, flat_ids, inter, w13.shape[2], x.stride(0), w13.stride(0), w13.stride(1),
+        s.stride(0) if s13 is not None else 0, mid.stride(0), A_DIV=top_k, HAS_SCALE=s13 is not None,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_options(),
+    )  # fmt: skip
+    return mid
+
+
+def expert_gemv_down(mid: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor | None, route: torch.Tensor,
+                     flat_ids: torch.Tensor, top_k: int, cfg: MoeDecodeConfig) -> torch.Tensor:  # fmt: skip
+    """out [T, H] = the sum over each token's k pairs of weight * down(mid[pair]) (the decode shape)."""
+    t, h = mid.shape[0] // top_k, w2.shape[1]
+    out = torch.empty(t, h, dtype=mid.dtype, device=mid.device)
+    s = s2 if s2 is not None else out
+    _moe_down_sum_kernel[(t, triton.cdiv(h, cfg.block_n))](
+        mid, w2, s, out, route, flat_ids, h, w2.shape[2], mid.stride(0), w2.stride(0), w2.stride(1),
+        s.stride(0) if s2 is not None else 0, out.stride(0), TOP_K=top_k, HAS_SCALE=s2 is not None,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_options(),
+    )  # fmt: skip
+    return out
+
+
+def expert_gemm(a: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, route: torch.Tensor,
+                sorted_ids: torch.Tensor, block_expert: torch.Tensor, a_div: int, gated: bool,
+                cfg: MoeConfig) -> torch.Tensor:  # fmt: skip
+    """One grouped GEMM over the pairs moe_align sorted with cfg.block_m: [pairs, N] rows, SiLU(gate) * up
+    (gated) or the down projection times each pair's routing weight."""
+    pairs = route.numel()
+    n = w.shape[1] // 2 if gated else w.shape[1]
+    c = torch.empty(pairs, n, dtype=a.dtype, device=a.device)
+    scale = s if s is not None else c
+    _moe_gemm_kernel[(block_expert.numel(), triton.cdiv(n, cfg.block_n))](
+        a, w, scale, c, route, sorted_ids, block_expert, n, w.shape[2], pairs, a.stride(0), w.stride(0),
+        w.stride(1), scale.stride(0) if s is not None else 0, c.stride(0),
+        A_DIV=a_div, GATED=gated, MUL_ROUTE=not gated, HAS_SCALE=s is not None,
+        PRECISION=dot_precision(a.dtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(),
+    )  # fmt: skip
+    return c
+
+
+MoeConfigs = MoeConfig | MoeDecodeConfig | tuple[MoeConfig, MoeConfig] | tuple[MoeDecodeConfig, MoeDecodeConfig]
 
 
 def fused_moe(
@@ -260,49 +419,39 @@ def fused_moe(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     decode: bool | None = None,
-    config: MoeConfig | MoeDecodeConfig | None = None,
+    config: MoeConfigs | None = None,
 ) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], routing weights [T, k] and expert ids [T, k] (route_topk)
     -> sum over k of weight * down(SiLU(gate(x)) * up(x)) of each chosen expert, [T, H] in x's dtype.
-    FP8 codes need their scales ([E, 2I], [E, H]). decode: the per-pair GEMV (default: use_decode_shape)."""
+    FP8 codes need their scales ([E, 2I], [E, H]). decode: the per-pair GEMV (default: the table's
+    choice, else use_decode_shape). config: one for both projections, or (gate/up's, down's); default:
+    the table's (pick_config, pick_decode_config)."""
     _check(x, w13, w2, w13_scale, w2_scale, ids)
     t, top_k = ids.shape
     e, two_i, h = w13.shape
-    inter, pairs = two_i // 2, t * top_k
+    pairs = t * top_k
     if x.stride(-1) != 1:
         x = x.contiguous()
-    out_rows = torch.empty(pairs, h, dtype=x.dtype, device=x.device)
     if pairs == 0:
-        return out_rows.view(t, top_k, h).sum(1)
-    mid = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+        return torch.zeros(t, h, dtype=x.dtype, device=x.device)
     route = weights.reshape(-1).float().contiguous()
     flat_ids = ids.reshape(-1).to(torch.int32).contiguous()
-    s13 = w13_scale.float().contiguous() if w13_scale is not None else mid  # unread without HAS_SCALE
-    s2 = w2_scale.float().contiguous() if w2_scale is not None else mid
-    scaled = w13_scale is not None
-    if decode if decode is not None else use_decode_shape(pairs, e, top_k):
-        cfg = config if isinstance(config, MoeDecodeConfig) else pick_decode_config(inter, h)
-        for a, w, s, c, n, k, a_div, gated in ((x, w13, s13, mid, inter, h, top_k, True),
-                                               (mid, w2, s2, out_rows, h, inter, 1, False)):  # fmt: skip
-            _moe_gemv_kernel[(pairs, triton.cdiv(n, cfg.block_n))](
-                a, w, s, c, route, flat_ids, n, k, a.stride(0), w.stride(0), w.stride(1),
-                s.stride(0) if scaled else 0, c.stride(0),
-                A_DIV=a_div, GATED=gated, MUL_ROUTE=not gated, HAS_SCALE=scaled,
-                BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                **pdl_options(),
-            )  # fmt: skip
-    else:
-        cfg = config if isinstance(config, MoeConfig) else pick_config(pairs)
-        sorted_ids, block_expert = moe_align(flat_ids, e, cfg.block_m)
-        for a, w, s, c, n, k, a_div, gated in ((x, w13, s13, mid, inter, h, top_k, True),
-                                               (mid, w2, s2, out_rows, h, inter, 1, False)):  # fmt: skip
-            _moe_gemm_kernel[(block_expert.numel(), triton.cdiv(n, cfg.block_n))](
-                a, w, s, c, route, sorted_ids, block_expert, n, k, pairs, a.stride(0), w.stride(0), w.stride(1),
-                s.stride(0) if scaled else 0, c.stride(0),
-                A_DIV=a_div, GATED=gated, MUL_ROUTE=not gated, HAS_SCALE=scaled,
-                PRECISION=dot_precision(x.dtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(),
-            )  # fmt: skip
+    s13 = w13_scale.float().contiguous() if w13_scale is not None else None
+    s2 = w2_scale.float().contiguous() if w2_scale is not None else None
+    up_cfg, down_cfg = config if isinstance(config, tuple) else (config, config)
+    if decode if decode is not None else decode_shape_for(t, top_k, w13):
+        up_cfg = up_cfg if isinstance(up_cfg, MoeDecodeConfig) else pick_decode_config(two_i, h, e, w13.dtype, t)
+        down_cfg = down_cfg if isinstance(down_cfg, MoeDecodeConfig) else \
+            pick_decode_config(h, two_i // 2, e, w2.dtype, t)  # fmt: skip
+        mid = expert_gemv_up(x, w13, s13, flat_ids, top_k, up_cfg)
+        return expert_gemv_down(mid, w2, s2, route, flat_ids, top_k, down_cfg)
+    up_cfg = up_cfg if isinstance(up_cfg, MoeConfig) else pick_config(pairs, e, two_i, h, w13.dtype, t)
+    down_cfg = down_cfg if isinstance(down_cfg, MoeConfig) else pick_config(pairs, e, h, two_i // 2, w2.dtype, t)
+    sorted_ids, block_expert = moe_align(flat_ids, e, up_cfg.block_m)
+    mid = expert_gemm(x, w13, s13, route, sorted_ids, block_expert, top_k, True, up_cfg)
+    if down_cfg.block_m != up_cfg.block_m:
+        sorted_ids, block_expert = moe_align(flat_ids, e, down_cfg.block_m)
+    out_rows = expert_gemm(mid, w2, s2, route, sorted_ids, block_expert, 1, False, down_cfg)
     return out_rows.view(t, top_k, h).sum(1)
 
 

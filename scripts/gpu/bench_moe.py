@@ -12,10 +12,20 @@ served); transformers' decode rate is (N - 1) / (time of generate(N) - time of g
   python scripts/gpu/bench_moe.py --model configs/models/qwen3-30b-a3b --json $OUT/moe.json
   (on the CPU, for a smoke test: --device cpu --dtype float32 with a tiny MoE model directory)
 
---tune instead times the fused MoE kernels alone on one layer of the model's shape (random bf16 and FP8
-experts, random routing) over a grid of tile configurations at several token counts, and prints the
-fastest per shape beside the defaults kernels/moe.py picks: the table to keep in kernels/moe.py.
-Then on the H200: pytest tests/gpu/test_moe_gpu.py (the kernels against float64, graphs equal eager).
+--tune instead times the expert kernels alone (each of the two projections, CUDA-graph-free, with
+triton.testing.do_bench) on the layer shapes of Qwen3-30B-A3B and Mixtral, 16-bit and FP8 experts, at every
+token bucket of kernels/moe.py (1 to 64 tokens: the decode GEMVs and the grouped GEMMs, and the whole call
+both ways for the choice of shape; 128 to 4096: the grouped GEMMs), over a pruned grid of tiles, and writes
+the fastest per (path, experts, N, K, weight kind, bucket) as the JSON kernels/moe_configs.json keeps:
+
+  python scripts/gpu/bench_moe.py --tune --tune-budget 330 --json $OUT/moe_configs.json   (~6 min on an H200)
+  cp moe_configs.json kernels/moe_configs.json
+  TRITON_INTERPRET=1 python scripts/gpu/bench_moe.py --tune --smoke --json /tmp/t.json   (a tiny shape on the CPU)
+
+Token counts left when --tune-budget seconds are spent are skipped (the largest last; listed in the JSON).
+scripts/gpu/run_h200.sh figures_moe runs the tuning, this benchmark, the GPU tests and the 1000 x 1000
+offline figure in one device call. Then on the H200: pytest tests/gpu/test_moe_gpu.py (the kernels against
+float64, graphs equal eager).
 """
 
 from __future__ import annotations
@@ -23,8 +33,10 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +80,8 @@ def runner_decode(args: argparse.Namespace, quantization: str | None) -> dict[st
         argv += ["--quantization", quantization]
     if args.max_total_tokens:
         argv += ["--max-total-tokens", str(args.max_total_tokens)]
+    if args.attention_backend:
+        argv += ["--attention-backend", args.attention_backend]
     parser = argparse.ArgumentParser()
     bench_latency.add_common_flags(parser)
     for flag, default in (("--batch-size", 1), ("--input-len", 512), ("--output-len", 128),
@@ -106,66 +120,241 @@ def transformers_decode(args: argparse.Namespace) -> dict[str, Any]:
     return {"decode_tokens_per_s": (args.hf_output_len - 1) / (many - one), "output_len": args.hf_output_len}
 
 
-TUNE_TOKENS = (1, 2, 4, 8, 16, 64, 256, 1024, 4096)
+# --tune: the shapes (configs/models), the token counts (every bucket of kernels/moe.py's table), and how
+# long the whole sweep may take before the rest is skipped (recorded in the JSON's "skipped").
+TUNE_MODELS = ("configs/models/qwen3-30b-a3b", "configs/models/mixtral-8x7b")
+TUNE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+GEMV_TILES = [(n, k) for n in (2, 4, 8, 16) for k in (128, 256, 512, 1024)]
+GEMV_LAUNCH = [(w, s) for w in (2, 4, 8) for s in (1, 2, 3, 4)]
+GROUPED_TILES = [(n, k) for n in (64, 128) for k in (64, 128)]
+GROUPED_LAUNCH = [(w, s) for w in (4, 8) for s in (2, 3, 4)]
+
+
+@dataclass
+class TuneShape:
+    name: str
+    experts: int
+    top_k: int
+    hidden: int
+    inter: int
+    renormalize: bool
+
+
+class Tuner:
+    """Times each expert kernel alone per tile configuration (a coordinate search: the tile at 4 warps and
+    3 stages, then the launch shape around the best tile), and the whole MoE call in both shapes for the
+    decode-or-grouped choice. On CUDA: triton.testing.do_bench's median (the L2 flushed before each run:
+    a served step finds no expert in the L2); on the CPU (--smoke, under TRITON_INTERPRET=1) the median of
+    a few wall-clock runs."""
+
+    def __init__(self, device: torch.device, budget_s: float, smoke: bool) -> None:
+        self.device, self.smoke = device, smoke
+        self.act = torch.float32 if smoke else torch.bfloat16  # the interpreter has no bfloat16
+        self.deadline = time.monotonic() + budget_s
+        self.configs: list[dict[str, Any]] = []
+        self.choices: list[dict[str, Any]] = []
+        self.skipped: list[str] = []
+
+    def over(self) -> bool:
+        return time.monotonic() > self.deadline
+
+    def time_us(self, fn: Any) -> float:
+        if self.device.type == "cuda":
+            import triton.testing
+
+            return 1e3 * triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
+        fn()  # the interpreter's timing says nothing: one run checks the plumbing
+        t0 = time.perf_counter()
+        fn()
+        return 1e6 * (time.perf_counter() - t0)
+
+    def search(self, run: Any, make: Any, tiles: list[tuple[int, int]], launches: list[tuple[int, int]],
+               default: Any) -> tuple[Any, float, float]:  # fmt: skip
+        """(best config, its us, the default's us) of run(config) over make(tile, launch) configs."""
+        times: dict[Any, float] = {}
+
+        def measure(cfg: Any) -> None:
+            if cfg in times:
+                return
+            try:
+                times[cfg] = self.time_us(lambda: run(cfg))
+            except Exception as exc:  # a tile that does not fit (shared memory, registers)
+                print(f"  skip {cfg}: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
+
+        measure(default)
+        for tile in tiles:
+            measure(make(tile, (4, 3)))
+        if not times:
+            raise RuntimeError("no configuration ran")
+        best_tile = min(times, key=times.get)
+        for launch in launches:
+            measure(make(_tile_of(best_tile), launch))
+        best = min(times, key=times.get)
+        return best, times[best], times.get(default, float("nan"))
+
+    def record(self, path: str, shape: TuneShape, n: int, k: int, kind: str, tokens: int,
+               best: Any, best_us: float, default_us: float) -> None:  # fmt: skip
+        self.configs.append({"path": path, "model": shape.name, "experts": shape.experts, "n": n, "k": k,
+                             "weights": kind, "tokens": tokens, "config": asdict(best), "us": round(best_us, 2),
+                             "default_us": round(default_us, 2)})  # fmt: skip
+        print(f"{shape.name:>14} {kind:>4} {path:>7} [{n}x{k}] tokens {tokens:>5}: {best_us:9.1f} us {best} "
+              f"(default {default_us:9.1f} us)", flush=True)  # fmt: skip
+
+
+def _tile_of(cfg: Any) -> tuple[int, ...]:
+    """The tile of a configuration as make() takes it: (block_m,) block_n, block_k."""
+    return (cfg.block_m, cfg.block_n, cfg.block_k) if hasattr(cfg, "block_m") else (cfg.block_n, cfg.block_k)
+
+
+@dataclass
+class TuneCase:
+    """One layer shape with its experts in one weight kind, ready to run."""
+
+    shape: TuneShape
+    label: str  # kernels/moe.py's weight_kind
+    w13: torch.Tensor
+    w2: torch.Tensor
+    s13: torch.Tensor | None
+    s2: torch.Tensor | None
+
+
+def make_case(tuner: Tuner, shape: TuneShape, kind: str) -> TuneCase:
+    """Random experts of the shape, 16-bit (the activations' dtype) or FP8 codes with per-channel scales."""
+    from tokenspeed_kernels import moe
+
+    from app.worker.quantization import quantize_rows
+
+    dev, e, h, inter = tuner.device, shape.experts, shape.hidden, shape.inter
+    g = torch.Generator(device=dev).manual_seed(0)
+    w13 = torch.randn(e, 2 * inter, h, device=dev, generator=g) * h**-0.5
+    w2 = torch.randn(e, h, inter, device=dev, generator=g) * inter**-0.5
+    if kind == "fp8":
+        (c13, s13), (c2, s2) = (quantize_rows(w.reshape(-1, w.shape[-1])) for w in (w13, w2))
+        return TuneCase(shape, "fp8", c13.view(w13.shape), c2.view(w2.shape), s13.view(e, -1), s2.view(e, -1))
+    w13, w2 = w13.to(tuner.act), w2.to(tuner.act)
+    return TuneCase(shape, moe.weight_kind(w13.dtype), w13, w2, None, None)
+
+
+def tune_case(tuner: Tuner, case: TuneCase, tokens: int, decode_max: int) -> None:
+    """The tiles of one case at one token count: the decode shape's (up to decode_max tokens), the grouped
+    GEMMs', and there both whole calls for the decode-or-grouped choice."""
+    from tokenspeed_kernels import moe
+
+    shape, dev = case.shape, tuner.device
+    e, k = shape.experts, shape.top_k
+    g = torch.Generator(device=dev).manual_seed(tokens)
+    x = torch.randn(tokens, shape.hidden, device=dev, generator=g).to(tuner.act)
+    route, ids = moe.route_topk(torch.randn(tokens, e, device=dev, generator=g), k, shape.renormalize)
+    flat, route = ids.reshape(-1).contiguous(), route.reshape(-1).contiguous()
+    gemv = tune_gemv(tuner, case, tokens, x, flat, route) if tokens <= decode_max else None
+    grouped = tune_grouped(tuner, case, tokens, x, flat, route)
+    if gemv is None:
+        return
+
+    def call(decode: bool, cfgs: Any) -> float:
+        return tuner.time_us(lambda: moe.fused_moe(x, case.w13, case.w2, route.view(tokens, k), ids, case.s13,
+                                                   case.s2, decode=decode, config=cfgs))  # fmt: skip
+
+    gemv_us, grouped_us = call(True, gemv), call(False, grouped)
+    tuner.choices.append({"model": shape.name, "experts": e, "top_k": k, "hidden": shape.hidden,
+                          "intermediate": shape.inter, "weights": case.label, "tokens": tokens,
+                          "decode": gemv_us < grouped_us, "decode_us": round(gemv_us, 2),
+                          "grouped_us": round(grouped_us, 2)})  # fmt: skip
+    print(f"{shape.name:>14} {case.label:>4} tokens {tokens:>5}: whole call {gemv_us:9.1f} us decode shape, "
+          f"{grouped_us:9.1f} us grouped", flush=True)  # fmt: skip
+
+
+def tune_gemv(tuner: Tuner, case: TuneCase, tokens: int, x: torch.Tensor, flat: torch.Tensor,
+              route: torch.Tensor) -> tuple[Any, Any]:  # fmt: skip
+    """The decode shape's two kernels: gate/up per pair, then down with the top-k sum."""
+    from tokenspeed_kernels import moe
+
+    shape, label, w13, w2, s13, s2 = case.shape, case.label, case.w13, case.w2, case.s13, case.s2
+    k = shape.top_k
+    tiles, launches = (GEMV_TILES, GEMV_LAUNCH) if not tuner.smoke else ([(4, 16)], [(2, 1)])
+    default = moe.MoeDecodeConfig() if not tuner.smoke else moe.MoeDecodeConfig(block_n=8, block_k=32)
+
+    def make(tile: tuple[int, int], launch: tuple[int, int]) -> Any:
+        return moe.MoeDecodeConfig(*tile, *launch)
+
+    mid = moe.expert_gemv_up(x, w13, s13, flat, k, default)
+    up = tuner.search(lambda c: moe.expert_gemv_up(x, w13, s13, flat, k, c), make, tiles, launches, default)
+    tuner.record("gemv", shape, w13.shape[1], w13.shape[2], label, tokens, *up)
+    down = tuner.search(lambda c: moe.expert_gemv_down(mid, w2, s2, route, flat, k, c), make, tiles, launches,
+                        default)  # fmt: skip
+    tuner.record("gemv", shape, w2.shape[1], w2.shape[2], label, tokens, *down)
+    return up[0], down[0]
+
+
+def tune_grouped(tuner: Tuner, case: TuneCase, tokens: int, x: torch.Tensor, flat: torch.Tensor,
+                 route: torch.Tensor) -> tuple[Any, Any]:  # fmt: skip
+    """The grouped GEMMs (gate/up, then down), each over the pairs grouped with its own block_m: the row
+    tiles tried are those near the pairs an expert gets on average."""
+    from tokenspeed_kernels import moe
+
+    shape, label, w13, w2, s13, s2 = case.shape, case.label, case.w13, case.w2, case.s13, case.s2
+    e, k = shape.experts, shape.top_k
+    pairs = tokens * k
+    per_expert = max(1, pairs // e)
+    block_ms = sorted({min(128, max(16, next_power_of_2(per_expert) // d)) for d in (1, 2)})
+    tiles = [(m, *t) for m in block_ms for t in GROUPED_TILES] if not tuner.smoke else [(16, 16, 16)]
+    launches = GROUPED_LAUNCH if not tuner.smoke else [(4, 2)]
+    default = moe.pick_config(pairs) if not tuner.smoke else moe.MoeConfig(16, 16, 32)
+    grouped = {m: moe.moe_align(flat, e, m) for m in {*block_ms, default.block_m, 16}}
+    mid = moe.expert_gemm(x, w13, s13, route, *grouped[default.block_m], k, True, default)
+
+    def make(tile: tuple[int, ...], launch: tuple[int, int]) -> Any:
+        return moe.MoeConfig(*tile, *launch)
+
+    def gemm(a: torch.Tensor, w: torch.Tensor, s: Any, a_div: int, gated: bool) -> Any:
+        def run(cfg: Any) -> Any:
+            if cfg.block_m not in grouped:
+                grouped[cfg.block_m] = moe.moe_align(flat, e, cfg.block_m)
+            return moe.expert_gemm(a, w, s, route, *grouped[cfg.block_m], a_div, gated, cfg)
+
+        best = tuner.search(run, make, tiles, launches, default)
+        tuner.record("grouped", shape, w.shape[1], w.shape[2], label, tokens, *best)
+        return best[0]
+
+    return gemm(x, w13, s13, k, True), gemm(mid, w2, s2, 1, False)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << (max(1, n) - 1).bit_length()
 
 
 def tune(args: argparse.Namespace) -> dict[str, Any]:
-    """The fastest tile configuration of each expert shape per token count, against the default."""
-    from tokenspeed_kernels.moe import (
-        MoeConfig,
-        MoeDecodeConfig,
-        fused_moe,
-        pick_config,
-        pick_decode_config,
-        route_topk,
-        use_decode_shape,
-    )
-    from transformers import AutoConfig
+    """The fastest tile configuration per expert shape, weight kind and token count, against the default:
+    the JSON kernels/moe_configs.json keeps (copy it there)."""
+    if args.smoke:
+        shapes = [TuneShape("smoke", 4, 2, 32, 24, True)]  # the interpreter is slow: 2 token counts, 1 shape
+        device, decode_max = torch.device("cpu"), 2
+        tokens = [int(t) for t in (args.tune_tokens or "1,3").split(",")]
+    else:
+        from transformers import AutoConfig
 
-    from app.worker.models import model_class_for
-    from app.worker.quantization import quantize_rows
+        from app.worker.models import model_class_for
 
-    config = AutoConfig.from_pretrained(args.model)
-    spec = model_class_for(config).moe_spec(config)
-    e, k, h, inter, dev = spec.num_experts, spec.top_k, config.hidden_size, spec.intermediate, torch.device("cuda")
-    w13 = torch.randn(e, 2 * inter, h, device=dev) * h**-0.5
-    w2 = torch.randn(e, h, inter, device=dev) * inter**-0.5
-    (c13, s13), (c2, s2) = (quantize_rows(w.reshape(-1, w.shape[-1])) for w in (w13, w2))
-    weights = {"bf16": (w13.bfloat16(), w2.bfloat16(), None, None),
-               "fp8": (c13.view(w13.shape), c2.view(w2.shape), s13.view(e, -1), s2.view(e, -1))}  # fmt: skip
-    decode_grid = [MoeDecodeConfig(n, kk, warps, stages) for n in (4, 8, 16, 32) for kk in (128, 256, 512)
-                   for warps in (2, 4, 8) for stages in (2, 3, 4)]  # fmt: skip
-    grouped_grid = [MoeConfig(m, n, kk, warps, stages) for m in (16, 32, 64, 128) for n in (64, 128)
-                    for kk in (64, 128) for warps in (4, 8) for stages in (3, 4)]  # fmt: skip
-    table: dict[str, Any] = {}
-    for name, (a, b, sa, sb) in weights.items():
-        for tokens in TUNE_TOKENS:
-            x = torch.randn(tokens, h, device=dev).bfloat16()
-            route_w, ids = route_topk(torch.randn(tokens, e, device=dev), k, spec.renormalize)
-            decode = use_decode_shape(tokens * k, e, k)
-            grid = decode_grid if decode else grouped_grid
-            default = pick_decode_config(inter, h) if decode else pick_config(tokens * k)
-
-            def timed(cfg: Any) -> float:
-                return bench_latency.median_cuda_ms(
-                    lambda: fused_moe(x, a, b, route_w, ids, sa, sb, decode=decode, config=cfg), 20)  # noqa: B023
-
-            times = {}
-            for cfg in grid:
-                try:
-                    timed(cfg)  # compile
-                    times[cfg] = timed(cfg)
-                except Exception as exc:  # a tile that does not fit (shared memory, registers)
-                    print(f"skip {cfg}: {type(exc).__name__}", file=sys.stderr)
-            if default not in times:
-                timed(default)  # compile
-                times[default] = timed(default)
-            best = min(times, key=times.get)
-            table[f"{name} {tokens}"] = {"best": repr(best), "best_ms": times[best], "default": repr(default),
-                                         "default_ms": times[default]}  # fmt: skip
-            print(f"{name:>4} tokens {tokens:>5}: best {times[best] * 1e3:8.1f} us {best}; default "
-                  f"{times[default] * 1e3:8.1f} us", flush=True)  # fmt: skip
-    return table
+        shapes = []
+        for path in args.tune_models.split(","):
+            config = AutoConfig.from_pretrained(path)
+            spec = model_class_for(config).moe_spec(config)
+            shapes.append(TuneShape(Path(path).name, spec.num_experts, spec.top_k, config.hidden_size,
+                                    spec.intermediate, spec.renormalize))  # fmt: skip
+        device, decode_max = torch.device("cuda"), 64
+        tokens = [int(t) for t in (args.tune_tokens or ",".join(map(str, TUNE_TOKENS))).split(",")]
+    tuner = Tuner(device, args.tune_budget, args.smoke)
+    t0 = time.monotonic()
+    cases = [make_case(tuner, shape, kind) for shape in shapes for kind in args.tune_weights.split(",")]
+    for count in tokens:  # the fewest tokens first: a budget run out skips the largest prefills
+        for case in cases:
+            if tuner.over():
+                tuner.skipped.append(f"{case.shape.name} {case.label} tokens {count}")
+            else:
+                tune_case(tuner, case, count, decode_max)
+    device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter smoke run)"
+    return {"source": f"python scripts/gpu/bench_moe.py --tune on {device_name}, {time.monotonic() - t0:.0f} s",
+            "configs": tuner.configs, "choices": tuner.choices, "skipped": tuner.skipped}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -179,11 +368,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quantizations", default="none,fp8", help="comma-separated: none, fp8")
     parser.add_argument("--max-total-tokens", type=int, default=None)
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--attention-backend", default=None, help="the runner's (default: its own choice)")
     parser.add_argument("--tune", action="store_true", help="time the MoE kernels' tile configurations instead")
+    parser.add_argument("--tune-models", default=",".join(TUNE_MODELS), help="comma-separated model directories")
+    parser.add_argument("--tune-weights", default="16,fp8", help="comma-separated: 16 (the model dtype), fp8")
+    parser.add_argument("--tune-tokens", default=None, help="comma-separated token counts (default: every bucket)")
+    parser.add_argument("--tune-budget", type=float, default=330.0, help="seconds; token counts past it skipped")
+    parser.add_argument("--smoke", action="store_true", help="--tune on a tiny shape on the CPU (TRITON_INTERPRET=1)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":
+        parser.error("--smoke runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1 in the environment")
     if args.tune:
         table = tune(args)
+        print(f"{len(table['configs'])} configurations, {len(table['skipped'])} cases skipped: {table['skipped']}")
         if args.json:
             Path(args.json).write_text(json.dumps(table, indent=2) + "\n")
         return

@@ -5,12 +5,18 @@ every expert chosen and ragged tiles (shapes that are not multiples of the block
 
 from __future__ import annotations
 
+import itertools
+import json
+from pathlib import Path
+
 import pytest
 import torch
+from tokenspeed_kernels import moe
 from tokenspeed_kernels.common import FP8_DTYPE
 from tokenspeed_kernels.moe import (
     MoeConfig,
     MoeDecodeConfig,
+    expert_gemv_down,
     fused_moe,
     fused_moe_reference,
     moe_align,
@@ -116,3 +122,87 @@ def test_default_shape_matches_reference() -> None:
     weights, ids = route_topk(torch.randn(6, 4, generator=torch.Generator().manual_seed(4)), 2, renormalize=False)
     out = fused_moe(x, w13, w2, weights, ids)  # 12 pairs of 4 experts: grouped
     assert relative_error(out, fused_moe_reference(x, w13, w2, weights, ids)) < 1e-5
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32 weights", "fp8 weights"])
+def test_decode_down_sums_each_tokens_pairs(fp8: bool) -> None:
+    """The decode shape's down kernel takes the top-k weighted sum itself: against the sum in torch of
+    each pair's down projection, with N not a multiple of the tile."""
+    e, h, inter, t, k = 6, 36, 20, 3, 3
+    _, w2, _, s2 = _experts(e, h, inter, fp8)
+    g = torch.Generator().manual_seed(5)
+    mid = torch.randn(t * k, inter, generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(torch.int32).reshape(-1)
+    route = torch.rand(t * k, generator=g)
+    out = expert_gemv_down(mid, w2, s2, route, ids, k, MoeDecodeConfig(block_n=8, block_k=16))
+    d2 = w2.float() if s2 is None else w2.float() * s2[..., None]
+    rows = torch.stack([route[p] * (d2[ids[p]] @ mid[p]) for p in range(t * k)]).view(t, k, h)
+    assert out.shape == (t, h)
+    torch.testing.assert_close(out, rows.sum(1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("decode", [True, False], ids=["per-pair gemv", "grouped gemm"])
+def test_fused_moe_takes_a_config_per_projection(decode: bool) -> None:
+    e, h, inter, t, k = 4, 24, 40, 5, 2
+    w13, w2, _, _ = _experts(e, h, inter, fp8=False)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(6))
+    weights, ids = route_topk(torch.randn(t, e, generator=torch.Generator().manual_seed(7)), k, renormalize=True)
+    if decode:
+        configs = (MoeDecodeConfig(block_n=16, block_k=16), MoeDecodeConfig(block_n=4, block_k=64))
+    else:  # different row tiles: the pairs are grouped again for down
+        configs = (MoeConfig(block_m=16, block_n=16, block_k=16), MoeConfig(block_m=32, block_n=32, block_k=16))
+    out = fused_moe(x, w13, w2, weights, ids, decode=decode, config=configs)
+    assert relative_error(out, fused_moe_reference(x, w13, w2, weights, ids)) < 1e-5
+
+
+def _table_json(path: Path) -> Path:
+    path.write_text(json.dumps({
+        "configs": [
+            {"path": "gemv", "experts": 128, "n": 1536, "k": 2048, "weights": "16", "tokens": 4,
+             "config": {"block_n": 4, "block_k": 256, "num_warps": 2, "num_stages": 4}},
+            {"path": "grouped", "experts": 128, "n": 2048, "k": 768, "weights": "fp8", "tokens": 512,
+             "config": {"block_m": 32, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3}},
+        ],
+        "choices": [{"experts": 128, "top_k": 8, "hidden": 2048, "intermediate": 768, "weights": "16",
+                     "tokens": 16, "decode": True}],
+    }))  # fmt: skip
+    return path
+
+
+def test_table_lookup_by_shape_kind_and_token_bucket(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(moe, "_TABLE", moe.load_table(_table_json(tmp_path / "t.json")))
+    bf16, fp8 = torch.bfloat16, FP8_DTYPE
+    assert moe.token_bucket(3) == 4 and moe.token_bucket(4) == 4 and moe.token_bucket(10_000) == 4096
+    # 3 and 4 tokens share bucket 4; float16 is a 16-bit kind too; float32 and other shapes are not measured
+    assert moe.measured("gemv", 128, 1536, 2048, bf16, 3) == MoeDecodeConfig(4, 256, 2, 4)
+    assert moe.measured("gemv", 128, 1536, 2048, torch.float16, 4) == MoeDecodeConfig(4, 256, 2, 4)
+    assert moe.measured("gemv", 128, 1536, 2048, torch.float32, 4) is None
+    assert moe.measured("gemv", 128, 1536, 2048, bf16, 5) is None
+    assert moe.measured("gemv", 128, 2048, 768, bf16, 4) is None
+    assert moe.measured("grouped", 128, 2048, 768, fp8, 300) == MoeConfig(32, 128, 64, 8, 3)
+    w13 = torch.empty(128, 2 * 768, 2048, dtype=bf16, device="meta")
+    assert moe.measured_choice(9, 8, w13) is True  # bucket 16: the decode shape, past use_decode_shape's 8
+    assert moe.measured_choice(17, 8, w13) is None
+
+
+def test_shipped_table_loads() -> None:
+    """kernels/moe_configs.json (what the H200 tuning measured) parses into valid configurations."""
+    table = moe.load_table()
+    for key, cfg in table.items():
+        assert key[0] in ("gemv", "grouped", "choice") and key[-1] in moe.TOKEN_BUCKETS, key
+        if key[0] != "choice":
+            assert all(v & (v - 1) == 0 for v in (cfg.block_n, cfg.block_k)), (key, cfg)
+
+
+def test_tuning_smoke_run_writes_a_table(tmp_path: Path) -> None:
+    """bench_moe.py --tune end to end on a tiny shape in the interpreter: the JSON it writes is a table
+    kernels/moe.py reads, with both decode kernels, both grouped GEMMs and the choice of shape."""
+    from scripts.gpu import bench_moe
+
+    out = tmp_path / "tune.json"
+    bench_moe.main(["--tune", "--smoke", "--tune-weights", "fp8", "--tune-tokens", "1", "--json", str(out)])
+    table = moe.load_table(out)
+    e, h, inter = 4, 32, 24
+    for path, (n, k) in itertools.product(("gemv", "grouped"), ((2 * inter, h), (h, inter))):
+        assert (path, e, n, k, "fp8", 1) in table, (path, n, k)
+    assert isinstance(table[("choice", e, 2, h, inter, "fp8", 1)], bool)

@@ -3,6 +3,8 @@
 Router: logits [T, E] -> routing weights [T, k] float32 and expert ids [T, k] int32. Softmax in float32
 over all E experts, then the k largest (the lowest expert id first among equal probabilities, so ties are
 deterministic), renormalised to sum to one where the model says (Mixtral, Qwen3-MoE's norm_topk_prob).
+For a few tokens (decode steps) the router's linear runs in the same launch (route_linear_topk): programs
+over slices of the experts compute the logits, and each token's last to finish picks its experts.
 
 Experts: w13 [E, 2I, H] holds each expert's gate rows then its up rows, w2 [E, H, I] its down projection;
 16-bit, or FP8 e4m3 codes with per-output-channel float32 scales ([E, 2I] and [E, H]). The T*k
@@ -36,7 +38,16 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .common import FP8_DTYPE, INTERPRETING, dot_precision, next_power_of_2, pdl_options, wait_for_predecessor
+from .common import (
+    FP8_DTYPE,
+    INTERPRETING,
+    arrival_counts,
+    dot_precision,
+    last_to_arrive,
+    next_power_of_2,
+    pdl_options,
+    wait_for_predecessor,
+)
 
 # The per-pair GEMV reads an expert once per pair that chose it, the grouped GEMM once per expert. While the
 # pairs are at most half the experts most of them pick distinct experts, so the two read about the same and
@@ -53,13 +64,11 @@ WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, FP8_DTYPE)
 
 
 @triton.jit
-def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_t, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_E)
-    wait_for_predecessor(USE_PDL)  # the router's logits
-    ok = cols < E
-    x = tl.load(logits_ptr + row * stride_t + cols, mask=ok, other=-float("inf")).to(tl.float32)
+def _softmax_topk(x, cols, ok, out, weights_ptr, ids_ptr, E, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """One token's logits x [BLOCK_E] (float32; the ok ones real) -> its top-k weights and ids, stored at
+    out..out + TOP_K."""
+    x = tl.where(ok, x, -float("inf"))
     p = tl.exp(x - tl.max(x, 0))
     p = tl.where(ok, p, 0.0)
     p = p / tl.sum(p, 0)
@@ -77,9 +86,51 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_t, TOP_K: tl.const
         left = tl.where(cols == pick, -2.0, left)
     if RENORMALIZE:
         top_w = top_w / tl.sum(top_w, 0)
-    out = row * TOP_K + kk
-    tl.store(weights_ptr + out, top_w, mask=kk < TOP_K)
-    tl.store(ids_ptr + out, top_id, mask=kk < TOP_K)
+    tl.store(weights_ptr + out + kk, top_w, mask=kk < TOP_K)
+    tl.store(ids_ptr + out + kk, top_id, mask=kk < TOP_K)
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_t, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_E)
+    wait_for_predecessor(USE_PDL)  # the router's logits
+    ok = cols < E
+    x = tl.load(logits_ptr + row * stride_t + cols, mask=ok, other=0.0).to(tl.float32)
+    _softmax_topk(x, cols, ok, row * TOP_K, weights_ptr, ids_ptr, E, TOP_K, RENORMALIZE, BLOCK_E, BLOCK_K)
+
+
+@triton.jit
+def _router_kernel(
+    x_ptr, w_ptr, logits_ptr, weights_ptr, ids_ptr, arrivals_ptr, E, H, stride_x, stride_w, SLICES,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, SLICE_E: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """The router linear and its softmax and top-k in one launch: each program computes SLICE_E logits of
+    one token (a GEMV in float32 registers, rounded to the activations' dtype as the linear's output is),
+    and the token's last program to finish picks its experts from all of them."""
+    row = tl.program_id(0)
+    pid_e = tl.program_id(1)
+    wait_for_predecessor(USE_PDL)  # the normed rows
+    re = pid_e * SLICE_E + tl.arange(0, SLICE_E)
+    e_ok = re < E
+    rh = tl.arange(0, BLOCK_H)
+    x_row = x_ptr + row.to(tl.int64) * stride_x
+    w_rows = w_ptr + re[:, None].to(tl.int64) * stride_w
+    acc = tl.zeros((SLICE_E, BLOCK_H), dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        hh = h0 + rh
+        h_ok = hh < H
+        a = tl.load(x_row + hh, mask=h_ok, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(w_rows + hh[None, :], mask=e_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32) * a
+    logits = logits_ptr + row * E
+    tl.store(logits + re, tl.sum(acc, 1).to(logits_ptr.dtype.element_ty), mask=e_ok)
+    if last_to_arrive(arrivals_ptr + row, SLICES):
+        cols = tl.arange(0, BLOCK_E)
+        ok = cols < E
+        x = tl.load(logits + cols, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+        _softmax_topk(x, cols, ok, row * TOP_K, weights_ptr, ids_ptr, E, TOP_K, RENORMALIZE, BLOCK_E, BLOCK_K)
 
 
 def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,6 +145,45 @@ def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[tor
     if t:
         _route_kernel[(t,)](logits, weights, ids, e, logits.stride(0), TOP_K=top_k, RENORMALIZE=renormalize,
                             BLOCK_E=next_power_of_2(e), BLOCK_K=next_power_of_2(top_k), **pdl_options())  # fmt: skip
+    return weights, ids
+
+
+# The router in one launch (route_linear_topk) up to this many tokens, the decode steps': larger batches
+# take the linear (cuBLAS) and then route_topk.
+ROUTER_FUSED_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    slice_e: int = 8  # logits a program: Qwen3-30B-A3B's 128 experts over 16 programs a token
+    block_h: int = 256
+    num_warps: int = 4
+
+
+def route_linear_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool,
+                      config: RouterConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """x [T, H] and the router's weight [E, H] (same dtype) -> route_topk(x @ weight.T) in one launch:
+    (weights [T, top_k] float32, expert ids [T, top_k] int32)."""
+    t, h = x.shape
+    e = weight.shape[0]
+    if not 1 <= top_k <= e:
+        raise ValueError(f"top_k must be in 1..{e} (the experts), got {top_k}")
+    if tuple(weight.shape) != (e, h) or weight.dtype != x.dtype:
+        raise ValueError(f"the router weight must be [E, {h}] in {x.dtype}, got {tuple(weight.shape)} {weight.dtype}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    cfg = config or (RouterConfig(slice_e=4, block_h=32) if INTERPRETING else RouterConfig())
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(t, top_k, dtype=torch.int32, device=x.device)
+    if t:
+        slices = triton.cdiv(e, cfg.slice_e)
+        logits = torch.empty(t, e, dtype=x.dtype, device=x.device)
+        _router_kernel[(t, slices)](
+            x, weight, logits, weights, ids, arrival_counts(x.device, t), e, h, x.stride(0), weight.stride(0), slices,
+            TOP_K=top_k, RENORMALIZE=renormalize, SLICE_E=cfg.slice_e, BLOCK_H=cfg.block_h, BLOCK_E=next_power_of_2(e),
+            BLOCK_K=next_power_of_2(top_k), num_warps=cfg.num_warps, **pdl_options(),
+        )  # fmt: skip
     return weights, ids
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tokenspeed_kernels.moe import fused_moe, moe_align, route_topk, route_topk_reference
+from tokenspeed_kernels.moe import fused_moe, moe_align, route_linear_topk, route_topk, route_topk_reference
 
 from app.worker.layers.moe import MoeSpec, SparseMoeBlock
 from app.worker.quantization import quantize_rows
@@ -51,6 +51,23 @@ def test_router_matches_reference(e: int, k: int, h: int, inter: int) -> None:
     torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize(("e", "k", "h", "inter"), SHAPES)
+def test_router_linear_in_one_launch_picks_a_top_k(e: int, k: int, h: int, inter: int) -> None:
+    """route_linear_topk against the float32 linear: its logits are rounded to bf16 after a sum in another
+    order than cuBLAS's, so a near-tie may go either way; every pick must be a top-k up to that rounding,
+    and the weights the softmax at the picks."""
+    x = torch.randn(16, h, device=CUDA).bfloat16()
+    w = (torch.randn(e, h, device=CUDA) * h**-0.5).bfloat16()
+    weights, ids = route_linear_topk(x, w, k, renormalize=True)
+    exact = x.float() @ w.float().T
+    kth = exact.topk(k, dim=-1).values[:, -1:]
+    tol = 2 * (exact.abs().amax(-1, keepdim=True) * 2**-8)  # two bf16 ulps of the largest logit
+    assert (exact.gather(1, ids.long()) >= kth - tol).all()
+    assert all(len(set(r)) == k for r in ids.tolist())  # k distinct experts a token
+    p = torch.softmax(exact.bfloat16().float(), -1).gather(1, ids.long())
+    torch.testing.assert_close(weights, p / p.sum(-1, keepdim=True), rtol=2e-2, atol=1e-3)
+
+
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("tokens", [1, 4, 300], ids=["decode 1", "decode 4", "grouped 300"])
 @pytest.mark.parametrize(("e", "k", "h", "inter"), SHAPES)
@@ -82,7 +99,7 @@ def test_align_has_no_host_sync_and_covers_every_pair() -> None:
     assert torch.equal(real, torch.arange(ids.numel(), device=CUDA, dtype=torch.int32))
 
 
-@pytest.mark.parametrize("tokens", [1, 8, 100])
+@pytest.mark.parametrize("tokens", [1, 8, 100])  # the router in one launch at 1 and 8, linear then route at 100
 def test_cuda_graph_replays_eager(tokens: int) -> None:
     spec = MoeSpec(num_experts=128, top_k=8, intermediate=768, renormalize=True)
     with torch.device(CUDA):

@@ -206,3 +206,30 @@ def test_tuning_smoke_run_writes_a_table(tmp_path: Path) -> None:
     for path, (n, k) in itertools.product(("gemv", "grouped"), ((2 * inter, h), (h, inter))):
         assert (path, e, n, k, "fp8", 1) in table, (path, n, k)
     assert isinstance(table[("choice", e, 2, h, inter, "fp8", 1)], bool)
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_router_linear_in_one_launch_matches_linear_then_route(renormalize: bool) -> None:
+    """route_linear_topk: the router linear, softmax and top-k in one launch, against torch's linear and
+    the reference routing. Small integers keep every logit exact, so the ids must be equal, ties too
+    (a token whose x is zero: every expert equal, ids 0..k-1; two equal weight rows: the lower id first);
+    E not a multiple of the slice, H not of the block."""
+    g = torch.Generator().manual_seed(8)
+    e, h, t, k = 10, 40, 5, 3
+    x = torch.randint(-3, 4, (t, h), generator=g).float()
+    w = torch.randint(-2, 3, (e, h), generator=g).float() / 8
+    x[1] = 0.0
+    w[7] = w[2]
+    x[3] = w[2] * 8  # experts 2 and 7 on top for token 3, tied
+    weights, ids = moe.route_linear_topk(x, w, k, renormalize)
+    ref_w, ref_ids = route_topk_reference(torch.nn.functional.linear(x, w), k, renormalize)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_w, rtol=1e-6, atol=1e-7)
+    assert ids[1].tolist() == [0, 1, 2] and ids[3, :2].tolist() == [2, 7]
+    # the counts each token's last program finds are left at zero for the next kernel
+    assert moe.arrival_counts(x.device, t)[:t].eq(0).all()
+
+
+def test_router_linear_refuses_a_mismatched_weight() -> None:
+    with pytest.raises(ValueError, match="router weight"):
+        moe.route_linear_topk(torch.zeros(2, 8), torch.zeros(4, 6), 2, True)

@@ -129,12 +129,15 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
 
 
 def moe_cases(moe) -> list[tuple[str, Callable[[], object]]]:  # noqa: ANN001
-    """The router, and both expert shapes (per-pair GEMV, grouped GEMM) with 16-bit and FP8 weights."""
+    """The router (alone and with its linear), and both expert shapes (per-pair GEMV, grouped GEMM) with 16-bit
+    and FP8 weights."""
     out = []
     e, k, h, inter, tokens = 16, 4, 256, 96, 3
     for dtype in (*HALF_TYPES, torch.float32):
         logits = torch.zeros(tokens, e, dtype=dtype)
         out.append((f"route_topk {dtype}", lambda logits=logits: moe.route_topk(logits, k, True)))
+        x, router = torch.zeros(tokens, h, dtype=dtype), torch.zeros(e, h, dtype=dtype)
+        out.append((f"route_linear_topk {dtype}", lambda x=x, w=router: moe.route_linear_topk(x, w, k, True)))
     weights, ids = torch.ones(tokens, k), torch.zeros(tokens, k, dtype=torch.int32)
     for w_dtype in (*HALF_TYPES, FP8):
         w13, w2 = torch.zeros(e, 2 * inter, h).to(w_dtype), torch.zeros(e, h, inter).to(w_dtype)

@@ -173,7 +173,10 @@ def route_linear_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renorma
     if x.stride(-1) != 1:
         x = x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-    cfg = config or (RouterConfig(slice_e=4, block_h=32) if INTERPRETING else RouterConfig())
+    if INTERPRETING:
+        cfg = config or RouterConfig(slice_e=4, block_h=32)
+    else:
+        cfg = config or measured("router", e, e, h, x.dtype, t) or RouterConfig()
     weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(t, top_k, dtype=torch.int32, device=x.device)
     if t:
@@ -384,14 +387,15 @@ def weight_kind(dtype: torch.dtype) -> str:
 
 def load_table(path: Path = TABLE_PATH) -> dict[tuple, Any]:
     """The kept table (bench_moe.py --tune writes it): (path, E, N, K, weight kind, token bucket) ->
-    configuration, with path "gemv" (MoeDecodeConfig), "grouped" (MoeConfig), or "choice" (True: the
-    decode shape was faster at this bucket, keyed by E, top_k, H and I instead of N and K)."""
+    configuration, with path "gemv" (MoeDecodeConfig), "grouped" (MoeConfig), "router" (RouterConfig:
+    the router's [E, H] weight), or "choice" (True: the decode shape was faster at this bucket, keyed by
+    E, top_k, H and I instead of N and K)."""
     if not path.exists():
         return {}
     data = json.loads(path.read_text())
     table: dict[tuple, Any] = {}
     for row in data.get("configs", []):
-        cls = MoeDecodeConfig if row["path"] == "gemv" else MoeConfig
+        cls = {"gemv": MoeDecodeConfig, "grouped": MoeConfig, "router": RouterConfig}[row["path"]]
         key = (row["path"], row["experts"], row["n"], row["k"], row["weights"], row["tokens"])
         table[key] = cls(**row["config"])
     for row in data.get("choices", []):

@@ -128,6 +128,8 @@ GEMV_TILES = [(n, k) for n in (2, 4, 8, 16) for k in (128, 256, 512, 1024)]
 GEMV_LAUNCH = [(w, s) for w in (2, 4, 8) for s in (1, 2, 3, 4)]
 GROUPED_TILES = [(n, k) for n in (64, 128) for k in (64, 128)]
 GROUPED_LAUNCH = [(w, s) for w in (4, 8) for s in (2, 3, 4)]
+ROUTER_TILES = [(e, h) for e in (4, 8, 16, 32) for h in (128, 256, 512)]
+ROUTER_LAUNCH = [(w, 0) for w in (1, 2, 4, 8)]  # num_warps; the router has no pipelined stages to pick
 
 
 @dataclass
@@ -202,7 +204,9 @@ class Tuner:
 
 
 def _tile_of(cfg: Any) -> tuple[int, ...]:
-    """The tile of a configuration as make() takes it: (block_m,) block_n, block_k."""
+    """The tile of a configuration as make() takes it: (block_m,) block_n, block_k, or the router's."""
+    if hasattr(cfg, "slice_e"):
+        return cfg.slice_e, cfg.block_h
     return (cfg.block_m, cfg.block_n, cfg.block_k) if hasattr(cfg, "block_m") else (cfg.block_n, cfg.block_k)
 
 
@@ -246,6 +250,8 @@ def tune_case(tuner: Tuner, case: TuneCase, tokens: int, decode_max: int) -> Non
     x = torch.randn(tokens, shape.hidden, device=dev, generator=g).to(tuner.act)
     route, ids = moe.route_topk(torch.randn(tokens, e, device=dev, generator=g), k, shape.renormalize)
     flat, route = ids.reshape(-1).contiguous(), route.reshape(-1).contiguous()
+    if tokens <= moe.ROUTER_FUSED_MAX_TOKENS and case.label != "fp8":  # the router stays 16-bit
+        tune_router(tuner, case, tokens, x)
     gemv = tune_gemv(tuner, case, tokens, x, flat, route) if tokens <= decode_max else None
     grouped = tune_grouped(tuner, case, tokens, x, flat, route)
     if gemv is None:
@@ -262,6 +268,29 @@ def tune_case(tuner: Tuner, case: TuneCase, tokens: int, decode_max: int) -> Non
                           "grouped_us": round(grouped_us, 2)})  # fmt: skip
     print(f"{shape.name:>14} {case.label:>4} tokens {tokens:>5}: whole call {gemv_us:9.1f} us decode shape, "
           f"{grouped_us:9.1f} us grouped", flush=True)  # fmt: skip
+
+
+def tune_router(tuner: Tuner, case: TuneCase, tokens: int, x: torch.Tensor) -> None:
+    """The router in one launch (linear, softmax, top-k), beside cuBLAS's linear then route_topk."""
+    from tokenspeed_kernels import moe
+
+    shape = case.shape
+    w = (torch.randn(shape.experts, shape.hidden, device=tuner.device) * shape.hidden**-0.5).to(x.dtype)
+    tiles = ROUTER_TILES if not tuner.smoke else [(4, 16)]
+    launches = ROUTER_LAUNCH if not tuner.smoke else [(2, 0)]
+    default = moe.RouterConfig() if not tuner.smoke else moe.RouterConfig(slice_e=4, block_h=32)
+
+    def make(tile: tuple[int, int], launch: tuple[int, int]) -> Any:
+        return moe.RouterConfig(*tile, launch[0])
+
+    def run(cfg: Any) -> Any:
+        return moe.route_linear_topk(x, w, shape.top_k, shape.renormalize, cfg)
+
+    best = tuner.search(run, make, tiles, launches, default)
+    tuner.record("router", shape, shape.experts, shape.hidden, case.label, tokens, *best)
+    unfused = tuner.time_us(lambda: moe.route_topk(torch.nn.functional.linear(x, w), shape.top_k, shape.renormalize))
+    tuner.configs[-1]["unfused_us"] = round(unfused, 2)
+    print(f"{shape.name:>14} router tokens {tokens:>5}: linear then route_topk {unfused:9.1f} us", flush=True)
 
 
 def tune_gemv(tuner: Tuner, case: TuneCase, tokens: int, x: torch.Tensor, flat: torch.Tensor,

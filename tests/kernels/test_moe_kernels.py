@@ -162,6 +162,8 @@ def _table_json(path: Path) -> Path:
              "config": {"block_n": 4, "block_k": 256, "num_warps": 2, "num_stages": 4}},
             {"path": "grouped", "experts": 128, "n": 2048, "k": 768, "weights": "fp8", "tokens": 512,
              "config": {"block_m": 32, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3}},
+            {"path": "router", "experts": 128, "n": 128, "k": 2048, "weights": "16", "tokens": 1,
+             "config": {"slice_e": 16, "block_h": 512, "num_warps": 2}, "unfused_us": 9.0},
         ],
         "choices": [{"experts": 128, "top_k": 8, "hidden": 2048, "intermediate": 768, "weights": "16",
                      "tokens": 16, "decode": True}],
@@ -180,6 +182,7 @@ def test_table_lookup_by_shape_kind_and_token_bucket(tmp_path: Path, monkeypatch
     assert moe.measured("gemv", 128, 1536, 2048, bf16, 5) is None
     assert moe.measured("gemv", 128, 2048, 768, bf16, 4) is None
     assert moe.measured("grouped", 128, 2048, 768, fp8, 300) == MoeConfig(32, 128, 64, 8, 3)
+    assert moe.measured("router", 128, 128, 2048, bf16, 1) == moe.RouterConfig(16, 512, 2)
     w13 = torch.empty(128, 2 * 768, 2048, dtype=bf16, device="meta")
     assert moe.measured_choice(9, 8, w13) is True  # bucket 16: the decode shape, past use_decode_shape's 8
     assert moe.measured_choice(17, 8, w13) is None
@@ -196,16 +199,20 @@ def test_shipped_table_loads() -> None:
 
 def test_tuning_smoke_run_writes_a_table(tmp_path: Path) -> None:
     """bench_moe.py --tune end to end on a tiny shape in the interpreter: the JSON it writes is a table
-    kernels/moe.py reads, with both decode kernels, both grouped GEMMs and the choice of shape."""
+    kernels/moe.py reads, with both decode kernels, both grouped GEMMs, the router and the choice of
+    shape."""
     from scripts.gpu import bench_moe
 
     out = tmp_path / "tune.json"
-    bench_moe.main(["--tune", "--smoke", "--tune-weights", "fp8", "--tune-tokens", "1", "--json", str(out)])
+    bench_moe.main(["--tune", "--smoke", "--tune-weights", "16,fp8", "--tune-tokens", "1", "--json", str(out)])
     table = moe.load_table(out)
     e, h, inter = 4, 32, 24
-    for path, (n, k) in itertools.product(("gemv", "grouped"), ((2 * inter, h), (h, inter))):
-        assert (path, e, n, k, "fp8", 1) in table, (path, n, k)
-    assert isinstance(table[("choice", e, 2, h, inter, "fp8", 1)], bool)
+    for kind in ("32", "fp8"):  # the smoke run's "16" experts are float32: the interpreter has no bfloat16
+        for path, (n, k) in itertools.product(("gemv", "grouped"), ((2 * inter, h), (h, inter))):
+            assert (path, e, n, k, kind, 1) in table, (path, n, k, kind)
+        assert isinstance(table[("choice", e, 2, h, inter, kind, 1)], bool)
+    assert isinstance(table[("router", e, e, h, "32", 1)], moe.RouterConfig)  # the router is 16-bit, never FP8
+    assert not any(key[0] == "router" and key[4] == "fp8" for key in table)
 
 
 @pytest.mark.parametrize("renormalize", [False, True])

@@ -374,6 +374,12 @@ def tune(args: argparse.Namespace) -> dict[str, Any]:
         tokens = [int(t) for t in (args.tune_tokens or ",".join(map(str, TUNE_TOKENS))).split(",")]
     tuner = Tuner(device, args.tune_budget, args.smoke)
     t0 = time.monotonic()
+    device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter smoke run)"
+
+    def table() -> dict[str, Any]:
+        return {"source": f"python scripts/gpu/bench_moe.py --tune on {device_name}, {time.monotonic() - t0:.0f} s",
+                "configs": tuner.configs, "choices": tuner.choices, "skipped": tuner.skipped}  # fmt: skip
+
     cases = [make_case(tuner, shape, kind) for shape in shapes for kind in args.tune_weights.split(",")]
     for count in tokens:  # the fewest tokens first: a budget run out skips the largest prefills
         for case in cases:
@@ -381,9 +387,13 @@ def tune(args: argparse.Namespace) -> dict[str, Any]:
                 tuner.skipped.append(f"{case.shape.name} {case.label} tokens {count}")
             else:
                 tune_case(tuner, case, count, decode_max)
-    device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter smoke run)"
-    return {"source": f"python scripts/gpu/bench_moe.py --tune on {device_name}, {time.monotonic() - t0:.0f} s",
-            "configs": tuner.configs, "choices": tuner.choices, "skipped": tuner.skipped}
+        if args.json:  # what is measured so far, should the run be cut short
+            write_json(args.json, table())
+    return table()
+
+
+def write_json(path: str, data: dict[str, Any]) -> None:
+    Path(path).write_text(json.dumps(data, indent=2) + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -412,7 +422,7 @@ def main(argv: list[str] | None = None) -> None:
         table = tune(args)
         print(f"{len(table['configs'])} configurations, {len(table['skipped'])} cases skipped: {table['skipped']}")
         if args.json:
-            Path(args.json).write_text(json.dumps(table, indent=2) + "\n")
+            write_json(args.json, table)
         return
     dtype = getattr(torch, args.dtype)
     bandwidth = bench_latency.copy_bandwidth(torch.device(args.device)) if args.device.startswith("cuda") else None

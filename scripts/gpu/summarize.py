@@ -246,6 +246,13 @@ def moe_lines(results: dict[str, dict]) -> list[str]:
         lines.append(f"| offline {o['num_requests']} x {o['input_len']}/{o['output_len']} output tok/s | "
                      f"{fmt(o['output_tokens_per_s'], '.0f')} | 15,000 | |")
         lines.append(offline_line("moe_offline_1000", o))
+    prof = (results.get("moe_profile") or {}).get("profile")
+    if prof:
+        lines.append(f"moe_profile: {prof['steps']} batch-1 decode steps, {prof['wall_ms'] / prof['steps']:.3f} ms a "
+                     f"step, GPU busy {prof['gpu_busy_share']:.0%}; the kernels' GPU time a step:")  # fmt: skip
+        for k in prof["kernels"][:12]:
+            lines.append(f"  {k['ms'] * 1e3 / prof['steps']:8.1f} us {k['share']:6.1%} {k['calls'] // prof['steps']:4d}x "
+                         f"{k['name']}")  # fmt: skip
     t = results.get("moe_tune")
     if t:
         lines.append(f"moe_tune: {t.get('source')}; {len(t.get('configs', []))} configurations, skipped "

@@ -246,6 +246,7 @@ class MoeDecodeConfig:
     block_k: int = 512
     num_warps: int = 4
     num_stages: int = 3
+    use_dot: bool = False  # tensor-core tiles of DOT_ROWS rows (block_n and block_k at least 16)
 
 
 @triton.jit
@@ -301,35 +302,58 @@ def _epilogue(acc, acc_up, scales, rn, n_ok, N, GATED: tl.constexpr, HAS_SCALE: 
     return acc
 
 
+# The tensor-core form of the decode GEMVs multiplies a tile of DOT_ROWS rows, the pair's row and zeros
+# (tl.dot's smallest M): the weights are read once either way, and the FMA form's per-element converts
+# and multiply-adds (FP8 codes: two converts an element) leave the ALUs.
+DOT_ROWS = tl.constexpr(16)
+
+
+@triton.jit
+def _row_times_rows(a_row, w_rows, N_OFFSET, K, n_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    USE_DOT: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """The dot products of one activation row (a_row: its pointer) with the weight rows w_rows + N_OFFSET
+    (BLOCK_N of them, the n_ok ones real), over K, in float32: [BLOCK_N]."""
+    rk = tl.arange(0, BLOCK_K)
+    if USE_DOT:
+        rows = tl.arange(0, DOT_ROWS)
+        acc = tl.zeros((DOT_ROWS, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            k_ok = kk < K
+            a = tl.load(a_row + rows[:, None] * 0 + kk[None, :], mask=(rows[:, None] == 0) & k_ok[None, :], other=0.0)
+            w = tl.load(w_rows + N_OFFSET + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(a.dtype)
+            acc += tl.dot(a, tl.trans(w), input_precision=PRECISION)
+        return tl.sum(acc, 0)  # rows past the first are zero
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            k_ok = kk < K
+            a = tl.load(a_row + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            acc += tl.load(w_rows + N_OFFSET + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * a
+        return tl.sum(acc, 1)
+
+
 @triton.jit
 def _moe_gemv_kernel(
     a_ptr, w_ptr, scale_ptr, c_ptr, ids_ptr, N, K, stride_am, stride_we, stride_wn, stride_se, stride_cm,
     A_DIV: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_DOT: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """The decode shape's gate and up: mid[pair, n] = SiLU(gate) * up for one pair and BLOCK_N outputs,
-    products in float32 registers summed over K once at the end."""
+    products in float32 (registers, or tensor-core tiles with USE_DOT)."""
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     wait_for_predecessor(USE_PDL)  # the expert ids and the activations come from the kernels before
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
-    rk = tl.arange(0, BLOCK_K)
     a_row = a_ptr + (pair // A_DIV).to(tl.int64) * stride_am
     w_rows = w_ptr + expert * stride_we + rn[:, None].to(tl.int64) * stride_wn
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + rk
-        k_ok = kk < K
-        a = tl.load(a_row + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        w_mask = n_ok[:, None] & k_ok[None, :]
-        acc += tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0).to(tl.float32) * a
-        acc_up += tl.load(w_rows + N * stride_wn + kk[None, :], mask=w_mask, other=0.0).to(tl.float32) * a
+    gate = _row_times_rows(a_row, w_rows, 0, K, n_ok, BLOCK_N, BLOCK_K, USE_DOT, PRECISION)
+    up = _row_times_rows(a_row, w_rows, N * stride_wn, K, n_ok, BLOCK_N, BLOCK_K, USE_DOT, PRECISION)
     # [1, BLOCK_N] rows so that the epilogue's broadcasts are the grouped kernel's
-    out = _epilogue(tl.sum(acc, 1)[None, :], tl.sum(acc_up, 1)[None, :], scale_ptr + expert * stride_se, rn,
-                    n_ok, N, True, HAS_SCALE)  # fmt: skip
+    out = _epilogue(gate[None, :], up[None, :], scale_ptr + expert * stride_se, rn, n_ok, N, True, HAS_SCALE)
     tl.store(c_ptr + pair.to(tl.int64) * stride_cm + rn[None, :], out.to(c_ptr.dtype.element_ty),
              mask=n_ok[None, :])  # fmt: skip
 
@@ -338,30 +362,23 @@ def _moe_gemv_kernel(
 def _moe_down_sum_kernel(
     a_ptr, w_ptr, scale_ptr, c_ptr, route_ptr, ids_ptr, N, K, stride_am, stride_we, stride_wn, stride_se,
     stride_cm, TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_DOT: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """The decode shape's down projection with the top-k sum folded in: out[token, n] for one token and
     BLOCK_N outputs, the sum over its k pairs of weight * (down rows of the pair's expert) . mid[pair],
-    taken in a fixed order in float32 registers (deterministic, unlike atomic adds)."""
+    taken in a fixed order in float32 (deterministic, unlike atomic adds)."""
     token = tl.program_id(0)
     pid_n = tl.program_id(1)
     wait_for_predecessor(USE_PDL)  # mid and the routing come from the kernels before
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
-    rk = tl.arange(0, BLOCK_K)
     total = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for j in range(TOP_K):
         pair = token * TOP_K + j
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         a_row = a_ptr + pair.to(tl.int64) * stride_am
         w_rows = w_ptr + expert * stride_we + rn[:, None].to(tl.int64) * stride_wn
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + rk
-            k_ok = kk < K
-            a = tl.load(a_row + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            acc += tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * a
-        part = tl.sum(acc, 1)
+        part = _row_times_rows(a_row, w_rows, 0, K, n_ok, BLOCK_N, BLOCK_K, USE_DOT, PRECISION)
         if HAS_SCALE:
             part = part * tl.load(scale_ptr + expert * stride_se + rn, mask=n_ok, other=0.0)
         total += part * tl.load(route_ptr + pair)
@@ -461,8 +478,8 @@ def expert_gemv_up(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor | None,
     _moe_gemv_kernel[(pairs, triton.cdiv(inter, cfg.block_n))](
         x, w13, s, mid, flat_ids, inter, w13.shape[2], x.stride(0), w13.stride(0), w13.stride(1),
         s.stride(0) if s13 is not None else 0, mid.stride(0), A_DIV=top_k, HAS_SCALE=s13 is not None,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl_options(),
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot, PRECISION=dot_precision(x.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(),
     )  # fmt: skip
     return mid
 
@@ -476,8 +493,8 @@ def expert_gemv_down(mid: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor | Non
     _moe_down_sum_kernel[(t, triton.cdiv(h, cfg.block_n))](
         mid, w2, s, out, route, flat_ids, h, w2.shape[2], mid.stride(0), w2.stride(0), w2.stride(1),
         s.stride(0) if s2 is not None else 0, out.stride(0), TOP_K=top_k, HAS_SCALE=s2 is not None,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl_options(),
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot, PRECISION=dot_precision(mid.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(),
     )  # fmt: skip
     return out
 

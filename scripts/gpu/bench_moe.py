@@ -124,7 +124,8 @@ def transformers_decode(args: argparse.Namespace) -> dict[str, Any]:
 # long the whole sweep may take before the rest is skipped (recorded in the JSON's "skipped").
 TUNE_MODELS = ("configs/models/qwen3-30b-a3b", "configs/models/mixtral-8x7b")
 TUNE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
-GEMV_TILES = [(n, k) for n in (2, 4, 8, 16) for k in (128, 256, 512, 1024)]
+GEMV_TILES = [(n, k, False) for n in (2, 4, 8, 16) for k in (128, 256, 512, 1024)] + \
+    [(n, k, True) for n in (16, 32, 64) for k in (64, 128, 256)]  # FMA, then tensor-core tiles  # fmt: skip
 GEMV_LAUNCH = [(w, s) for w in (2, 4, 8) for s in (1, 2, 3, 4)]
 GROUPED_TILES = [(n, k) for n in (64, 128) for k in (64, 128)]
 GROUPED_LAUNCH = [(w, s) for w in (4, 8) for s in (2, 3, 4)]
@@ -204,10 +205,13 @@ class Tuner:
 
 
 def _tile_of(cfg: Any) -> tuple[int, ...]:
-    """The tile of a configuration as make() takes it: (block_m,) block_n, block_k, or the router's."""
+    """The tile of a configuration as make() takes it: the GEMV's block_n, block_k and form, the grouped
+    GEMM's block_m, block_n and block_k, or the router's slice and block."""
     if hasattr(cfg, "slice_e"):
         return cfg.slice_e, cfg.block_h
-    return (cfg.block_m, cfg.block_n, cfg.block_k) if hasattr(cfg, "block_m") else (cfg.block_n, cfg.block_k)
+    if hasattr(cfg, "use_dot"):
+        return cfg.block_n, cfg.block_k, cfg.use_dot
+    return cfg.block_m, cfg.block_n, cfg.block_k
 
 
 @dataclass
@@ -300,11 +304,11 @@ def tune_gemv(tuner: Tuner, case: TuneCase, tokens: int, x: torch.Tensor, flat: 
 
     shape, label, w13, w2, s13, s2 = case.shape, case.label, case.w13, case.w2, case.s13, case.s2
     k = shape.top_k
-    tiles, launches = (GEMV_TILES, GEMV_LAUNCH) if not tuner.smoke else ([(4, 16)], [(2, 1)])
+    tiles, launches = (GEMV_TILES, GEMV_LAUNCH) if not tuner.smoke else ([(4, 16, False), (16, 16, True)], [(2, 1)])
     default = moe.MoeDecodeConfig() if not tuner.smoke else moe.MoeDecodeConfig(block_n=8, block_k=32)
 
-    def make(tile: tuple[int, int], launch: tuple[int, int]) -> Any:
-        return moe.MoeDecodeConfig(*tile, *launch)
+    def make(tile: tuple[int, int, bool], launch: tuple[int, int]) -> Any:
+        return moe.MoeDecodeConfig(tile[0], tile[1], *launch, use_dot=tile[2])
 
     mid = moe.expert_gemv_up(x, w13, s13, flat, k, default)
     up = tuner.search(lambda c: moe.expert_gemv_up(x, w13, s13, flat, k, c), make, tiles, launches, default)

@@ -81,8 +81,8 @@ def _experts(e: int, h: int, inter: int, fp8: bool, seed: int = 0):
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["fp32 weights", "fp8 weights"])
-@pytest.mark.parametrize("decode", [True, False], ids=["per-pair gemv", "grouped gemm"])
-def test_fused_moe_matches_reference(decode: bool, fp8: bool) -> None:
+@pytest.mark.parametrize("decode", [True, "dot", False], ids=["per-pair gemv", "per-pair gemv dot", "grouped gemm"])
+def test_fused_moe_matches_reference(decode: bool | str, fp8: bool) -> None:
     e, h, inter, t, k = 5, 40, 24, 7, 2
     w13, w2, s13, s2 = _experts(e, h, inter, fp8)
     x = torch.randn(t, h, generator=torch.Generator().manual_seed(1))
@@ -90,8 +90,9 @@ def test_fused_moe_matches_reference(decode: bool, fp8: bool) -> None:
     weights, ids = route_topk(logits, k, renormalize=True)
     ids[:e, 0] = torch.arange(e, dtype=torch.int32)  # every expert chosen at least once
     ids[:e, 1] = (ids[:e, 0] + 1) % e
-    config = MoeDecodeConfig(block_n=16, block_k=32) if decode else MoeConfig(block_m=16, block_n=16, block_k=16)
-    out = fused_moe(x, w13, w2, weights, ids, s13, s2, decode=decode, config=config)
+    config = MoeDecodeConfig(block_n=16, block_k=32, use_dot=decode == "dot") if decode else \
+        MoeConfig(block_m=16, block_n=16, block_k=16)  # fmt: skip
+    out = fused_moe(x, w13, w2, weights, ids, s13, s2, decode=bool(decode), config=config)
     ref = fused_moe_reference(x, w13, w2, weights, ids, s13, s2)
     assert out.shape == (t, h)
     assert relative_error(out, ref) < 1e-5
@@ -124,17 +125,18 @@ def test_default_shape_matches_reference() -> None:
     assert relative_error(out, fused_moe_reference(x, w13, w2, weights, ids)) < 1e-5
 
 
+@pytest.mark.parametrize("use_dot", [False, True], ids=["fma", "dot"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["fp32 weights", "fp8 weights"])
-def test_decode_down_sums_each_tokens_pairs(fp8: bool) -> None:
+def test_decode_down_sums_each_tokens_pairs(fp8: bool, use_dot: bool) -> None:
     """The decode shape's down kernel takes the top-k weighted sum itself: against the sum in torch of
-    each pair's down projection, with N not a multiple of the tile."""
+    each pair's down projection, with N not a multiple of the tile, in both forms (FMA, tensor cores)."""
     e, h, inter, t, k = 6, 36, 20, 3, 3
     _, w2, _, s2 = _experts(e, h, inter, fp8)
     g = torch.Generator().manual_seed(5)
     mid = torch.randn(t * k, inter, generator=g)
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(torch.int32).reshape(-1)
     route = torch.rand(t * k, generator=g)
-    out = expert_gemv_down(mid, w2, s2, route, ids, k, MoeDecodeConfig(block_n=8, block_k=16))
+    out = expert_gemv_down(mid, w2, s2, route, ids, k, MoeDecodeConfig(block_n=16, block_k=16, use_dot=use_dot))
     d2 = w2.float() if s2 is None else w2.float() * s2[..., None]
     rows = torch.stack([route[p] * (d2[ids[p]] @ mid[p]) for p in range(t * k)]).view(t, k, h)
     assert out.shape == (t, h)

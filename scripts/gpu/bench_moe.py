@@ -23,6 +23,8 @@ the fastest per (path, experts, N, K, weight kind, bucket) as the JSON kernels/m
   TRITON_INTERPRET=1 python scripts/gpu/bench_moe.py --tune --smoke --json /tmp/t.json   (a tiny shape on the CPU)
 
 Token counts left when --tune-budget seconds are spent are skipped (the largest last; listed in the JSON).
+Compiling dominates a cold run: --tune-jobs processes (12) first compile every kernel the searches' first
+phase launches, into Triton's on-disk cache.
 scripts/gpu/run_h200.sh figures_moe runs the tuning, this benchmark, the GPU tests and the 1000 x 1000
 offline figure in one device call. Then on the H200: pytest tests/gpu/test_moe_gpu.py (the kernels against
 float64, graphs equal eager).
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import sys
@@ -274,18 +277,53 @@ def tune_case(tuner: Tuner, case: TuneCase, tokens: int, decode_max: int) -> Non
           f"{grouped_us:9.1f} us grouped", flush=True)  # fmt: skip
 
 
+def router_grid(smoke: bool) -> tuple[list, list, Any, Any]:
+    """(tiles, launches, default, make(tile, launch)) of the one-launch router."""
+    from tokenspeed_kernels import moe
+
+    def make(tile: tuple[int, int], launch: tuple[int, int]) -> Any:
+        return moe.RouterConfig(*tile, launch[0])
+
+    if smoke:
+        return [(4, 16)], [(2, 0)], moe.RouterConfig(slice_e=4, block_h=32), make
+    return ROUTER_TILES, ROUTER_LAUNCH, moe.RouterConfig(), make
+
+
+def gemv_grid(smoke: bool) -> tuple[list, list, Any, Any]:
+    """The same for the decode shape's GEMVs (both projections)."""
+    from tokenspeed_kernels import moe
+
+    def make(tile: tuple[int, int, bool], launch: tuple[int, int]) -> Any:
+        return moe.MoeDecodeConfig(tile[0], tile[1], *launch, use_dot=tile[2])
+
+    if smoke:
+        return [(4, 16, False), (16, 16, True)], [(2, 1)], moe.MoeDecodeConfig(block_n=8, block_k=32), make
+    return GEMV_TILES, GEMV_LAUNCH, moe.MoeDecodeConfig(), make
+
+
+def grouped_grid(smoke: bool, shape: TuneShape, tokens: int) -> tuple[list, list, Any, Any]:
+    """The same for the grouped GEMMs at this token count: the row tiles tried are those near the pairs an
+    expert gets on average."""
+    from tokenspeed_kernels import moe
+
+    def make(tile: tuple[int, ...], launch: tuple[int, int]) -> Any:
+        return moe.MoeConfig(*tile, *launch)
+
+    pairs = tokens * shape.top_k
+    if smoke:
+        return [(16, 16, 16)], [(4, 2)], moe.MoeConfig(16, 16, 32), make
+    per_expert = max(1, pairs // shape.experts)
+    block_ms = sorted({min(128, max(16, next_power_of_2(per_expert) // d)) for d in (1, 2)})
+    return [(m, *t) for m in block_ms for t in GROUPED_TILES], GROUPED_LAUNCH, moe.pick_config(pairs), make
+
+
 def tune_router(tuner: Tuner, case: TuneCase, tokens: int, x: torch.Tensor) -> None:
     """The router in one launch (linear, softmax, top-k), beside cuBLAS's linear then route_topk."""
     from tokenspeed_kernels import moe
 
     shape = case.shape
     w = (torch.randn(shape.experts, shape.hidden, device=tuner.device) * shape.hidden**-0.5).to(x.dtype)
-    tiles = ROUTER_TILES if not tuner.smoke else [(4, 16)]
-    launches = ROUTER_LAUNCH if not tuner.smoke else [(2, 0)]
-    default = moe.RouterConfig() if not tuner.smoke else moe.RouterConfig(slice_e=4, block_h=32)
-
-    def make(tile: tuple[int, int], launch: tuple[int, int]) -> Any:
-        return moe.RouterConfig(*tile, launch[0])
+    tiles, launches, default, make = router_grid(tuner.smoke)
 
     def run(cfg: Any) -> Any:
         return moe.route_linear_topk(x, w, shape.top_k, shape.renormalize, cfg)
@@ -304,12 +342,7 @@ def tune_gemv(tuner: Tuner, case: TuneCase, tokens: int, x: torch.Tensor, flat: 
 
     shape, label, w13, w2, s13, s2 = case.shape, case.label, case.w13, case.w2, case.s13, case.s2
     k = shape.top_k
-    tiles, launches = (GEMV_TILES, GEMV_LAUNCH) if not tuner.smoke else ([(4, 16, False), (16, 16, True)], [(2, 1)])
-    default = moe.MoeDecodeConfig() if not tuner.smoke else moe.MoeDecodeConfig(block_n=8, block_k=32)
-
-    def make(tile: tuple[int, int, bool], launch: tuple[int, int]) -> Any:
-        return moe.MoeDecodeConfig(tile[0], tile[1], *launch, use_dot=tile[2])
-
+    tiles, launches, default, make = gemv_grid(tuner.smoke)
     mid = moe.expert_gemv_up(x, w13, s13, flat, k, default)
     up = tuner.search(lambda c: moe.expert_gemv_up(x, w13, s13, flat, k, c), make, tiles, launches, default)
     tuner.record("gemv", shape, w13.shape[1], w13.shape[2], label, tokens, *up)
@@ -327,17 +360,9 @@ def tune_grouped(tuner: Tuner, case: TuneCase, tokens: int, x: torch.Tensor, fla
 
     shape, label, w13, w2, s13, s2 = case.shape, case.label, case.w13, case.w2, case.s13, case.s2
     e, k = shape.experts, shape.top_k
-    pairs = tokens * k
-    per_expert = max(1, pairs // e)
-    block_ms = sorted({min(128, max(16, next_power_of_2(per_expert) // d)) for d in (1, 2)})
-    tiles = [(m, *t) for m in block_ms for t in GROUPED_TILES] if not tuner.smoke else [(16, 16, 16)]
-    launches = GROUPED_LAUNCH if not tuner.smoke else [(4, 2)]
-    default = moe.pick_config(pairs) if not tuner.smoke else moe.MoeConfig(16, 16, 32)
-    grouped = {m: moe.moe_align(flat, e, m) for m in {*block_ms, default.block_m, 16}}
+    tiles, launches, default, make = grouped_grid(tuner.smoke, shape, tokens)
+    grouped = {m: moe.moe_align(flat, e, m) for m in {*(t[0] for t in tiles), default.block_m}}
     mid = moe.expert_gemm(x, w13, s13, route, *grouped[default.block_m], k, True, default)
-
-    def make(tile: tuple[int, ...], launch: tuple[int, int]) -> Any:
-        return moe.MoeConfig(*tile, *launch)
 
     def gemm(a: torch.Tensor, w: torch.Tensor, s: Any, a_div: int, gated: bool) -> Any:
         def run(cfg: Any) -> Any:
@@ -350,6 +375,82 @@ def tune_grouped(tuner: Tuner, case: TuneCase, tokens: int, x: torch.Tensor, fla
         return best[0]
 
     return gemm(x, w13, s13, k, True), gemm(mid, w2, s2, 1, False)
+
+
+def compile_jobs(shapes: list[TuneShape], kinds: list[str], tokens: list[int], decode_max: int) -> list[tuple]:
+    """What the searches' first phase will launch (the default and every tile at 4 warps, 3 stages), one
+    job per kernel, configuration and specialization: the GEMVs' and the router's do not depend on the
+    token count, the grouped GEMMs' do (the pair count is an argument Triton specializes on)."""
+    from tokenspeed_kernels import moe
+
+    jobs: list[tuple] = []
+    for shape, kind in itertools.product(shapes, kinds):
+        tiles, _, default, make = gemv_grid(False)
+        if min(tokens) <= decode_max:
+            jobs += [("gemv", proj, shape, kind, 1, cfg) for proj in ("up", "down")
+                     for cfg in (default, *(make(t, (4, 3)) for t in tiles))]  # fmt: skip
+        if kind != "fp8" and min(tokens) <= moe.ROUTER_FUSED_MAX_TOKENS:
+            tiles, _, default, make = router_grid(False)
+            jobs += [("router", "", shape, kind, 1, cfg) for cfg in (default, *(make(t, (4, 3)) for t in tiles))]
+        seen: set[tuple] = set()
+        for count in tokens:
+            pairs = count * shape.top_k
+            tiles, _, default, make = grouped_grid(False, shape, count)
+            for proj, cfg in itertools.product(("up", "down"), (default, *(make(t, (4, 3)) for t in tiles))):
+                key = (proj, cfg, pairs % 16 == 0, pairs == 1)
+                if key not in seen:
+                    seen.add(key)
+                    jobs.append(("grouped", proj, shape, kind, count, cfg))
+    return jobs
+
+
+def compile_job(job: tuple) -> str | None:
+    """Launch one job's kernel once on small stand-ins of its operands (two experts, zero weights: the
+    same dtypes, strides and specializations), which compiles it into Triton's on-disk cache; the
+    error, if any."""
+    from tokenspeed_kernels import moe
+
+    path, proj, shape, kind, tokens, cfg = job
+    dev, act, k, h, inter = torch.device("cuda"), torch.bfloat16, shape.top_k, shape.hidden, shape.inter
+    wdt = moe.FP8_DTYPE if kind == "fp8" else act
+    try:
+        if path == "router":
+            moe.route_linear_topk(torch.zeros(tokens, h, dtype=act, device=dev),
+                                  torch.zeros(shape.experts, h, dtype=act, device=dev), k, shape.renormalize, cfg)  # fmt: skip
+            return None
+        w13, w2 = torch.zeros(2, 2 * inter, h, dtype=wdt, device=dev), torch.zeros(2, h, inter, dtype=wdt, device=dev)
+        s13, s2 = (torch.ones(2, 2 * inter, device=dev), torch.ones(2, h, device=dev)) if kind == "fp8" else (None, None)
+        flat = torch.zeros(tokens * k, dtype=torch.int32, device=dev)
+        route = torch.ones(tokens * k, device=dev)
+        x, mid = torch.zeros(tokens, h, dtype=act, device=dev), torch.zeros(tokens * k, inter, dtype=act, device=dev)
+        if path == "gemv":
+            if proj == "up":
+                moe.expert_gemv_up(x, w13, s13, flat, k, cfg)
+            else:
+                moe.expert_gemv_down(mid, w2, s2, route, flat, k, cfg)
+        else:
+            grouped = moe.moe_align(flat, 2, cfg.block_m)
+            if proj == "up":
+                moe.expert_gemm(x, w13, s13, route, *grouped, k, True, cfg)
+            else:
+                moe.expert_gemm(mid, w2, s2, route, *grouped, 1, False, cfg)
+        torch.cuda.synchronize()
+    except Exception as exc:  # a tile that does not fit: the search skips it too
+        return f"{path} {proj} {cfg}: {type(exc).__name__}"
+    return None
+
+
+def precompile(jobs: list[tuple], workers: int) -> None:
+    """compile_job over the jobs in worker processes (Triton compiles on the host, one kernel at a time a
+    process): the searches then find every first-phase kernel compiled."""
+    import concurrent.futures
+    import multiprocessing
+
+    t0 = time.monotonic()
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        failed = [err for err in pool.map(compile_job, jobs, chunksize=4) if err]
+    print(f"precompiled {len(jobs)} kernels in {workers} processes: {time.monotonic() - t0:.0f} s, {len(failed)} "
+          f"failed to build {failed[:3]}", flush=True)  # fmt: skip
 
 
 def next_power_of_2(n: int) -> int:
@@ -384,7 +485,10 @@ def tune(args: argparse.Namespace) -> dict[str, Any]:
         return {"source": f"python scripts/gpu/bench_moe.py --tune on {device_name}, {time.monotonic() - t0:.0f} s",
                 "configs": tuner.configs, "choices": tuner.choices, "skipped": tuner.skipped}  # fmt: skip
 
-    cases = [make_case(tuner, shape, kind) for shape in shapes for kind in args.tune_weights.split(",")]
+    kinds = args.tune_weights.split(",")
+    if not args.smoke and args.tune_jobs > 1:
+        precompile(compile_jobs(shapes, kinds, tokens, decode_max), args.tune_jobs)
+    cases = [make_case(tuner, shape, kind) for shape in shapes for kind in kinds]
     for count in tokens:  # the fewest tokens first: a budget run out skips the largest prefills
         for case in cases:
             if tuner.over():
@@ -417,6 +521,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tune-weights", default="16,fp8", help="comma-separated: 16 (the model dtype), fp8")
     parser.add_argument("--tune-tokens", default=None, help="comma-separated token counts (default: every bucket)")
     parser.add_argument("--tune-budget", type=float, default=330.0, help="seconds; token counts past it skipped")
+    parser.add_argument("--tune-jobs", type=int, default=12, help="processes compiling the kernels first (1: none)")
     parser.add_argument("--smoke", action="store_true", help="--tune on a tiny shape on the CPU (TRITON_INTERPRET=1)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)

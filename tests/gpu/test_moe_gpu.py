@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tokenspeed_kernels.moe import fused_moe, moe_align, route_linear_topk, route_topk, route_topk_reference
+from tokenspeed_kernels.moe import (
+    MoeDecodeConfig,
+    fused_moe,
+    moe_align,
+    route_linear_topk,
+    route_topk,
+    route_topk_reference,
+)
 
 from app.worker.layers.moe import MoeSpec, SparseMoeBlock
 from app.worker.quantization import quantize_rows
@@ -69,13 +76,18 @@ def test_router_linear_in_one_launch_picks_a_top_k(e: int, k: int, h: int, inter
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("tokens", [1, 4, 300], ids=["decode 1", "decode 4", "grouped 300"])
+@pytest.mark.parametrize("tokens", [1, 4, 300, "dot 1", "dot 4"],
+                         ids=["decode 1", "decode 4", "grouped 300", "decode 1 tensor cores", "decode 4 tensor cores"])  # fmt: skip
 @pytest.mark.parametrize(("e", "k", "h", "inter"), SHAPES)
-def test_fused_moe_matches_float64(e: int, k: int, h: int, inter: int, tokens: int, fp8: bool) -> None:
+def test_fused_moe_matches_float64(e: int, k: int, h: int, inter: int, tokens: int | str, fp8: bool) -> None:
+    """The default path (the kept table's tiles where measured), and the decode GEMVs' tensor-core form
+    forced (the tuning may pick it)."""
+    config = MoeDecodeConfig(block_n=16, block_k=128, use_dot=True) if isinstance(tokens, str) else None
+    tokens = int(str(tokens).split()[-1])
     w13, w2, s13, s2 = experts(e, h, inter, fp8)
     x = torch.randn(tokens, h, device=CUDA).bfloat16()
     weights, ids = route_topk(torch.randn(tokens, e, device=CUDA), k, renormalize=True)
-    out = fused_moe(x, w13, w2, weights, ids, s13, s2)
+    out = fused_moe(x, w13, w2, weights, ids, s13, s2, decode=True if config else None, config=config)
     assert relative_error(out, reference64(x, w13, w2, weights, ids, s13, s2)) < 1e-2  # bf16 x and output
 
 

@@ -97,7 +97,7 @@ attn attn_sweep elementwise tests tests_flashinfer tests_8b tests_decode tests_f
 moe_tune moe_decode moe_tests moe_profile moe_offline_1000 "
 SERVING_MORE="stagger:4:0.5:32:128 b1:1:0:3:256"  # the serving stages' benchmarks after the first (serve_and_bench.sh)
 for s in $STAGES; do  # every name checked before anything runs
-  [[ $KNOWN == *" $s "* ]] || { echo "unknown stage $s; suites: gpu_tests figures_latency figures_offline figures_serving figures_tp; stages:$KNOWN"; exit 2; }
+  [[ $KNOWN == *" $s "* ]] || { echo "unknown stage $s; suites: gpu_tests figures_latency figures_offline figures_serving figures_tp figures_moe; stages:$KNOWN"; exit 2; }
 done
 
 # Once per machine and set of wheels (a lock: parallel instances share /tmp/site). The stamp holds the

@@ -203,11 +203,70 @@ def route_topk_reference(logits: torch.Tensor, top_k: int, renormalize: bool) ->
 # ---------------------------------------------------------------- grouping pairs by expert
 
 
+# moe_align runs as one Triton program (_align_kernel) up to this many pairs (a decode step of 512 tokens
+# at top-8): a sort of the pairs in registers instead of about 25 small torch kernels a layer.
+ALIGN_MAX_PAIRS = 4096
+
+
 def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [T, k] -> (sorted pair ids [blocks * block_m], expert of each block [blocks]). Pair p is token
-    p // k's choice p % k. Each expert's pairs are contiguous and its group padded to block_m rows with the
-    pair count T*k (a row the kernels skip); blocks past the last group have expert -1. The sizes depend on
-    T, k and E only: at most one non-empty block per pair, and at most one padded block per expert."""
+    p // k's choice p % k. Each expert's pairs are contiguous, in pair order, and its group padded to
+    block_m rows with the pair count T*k (a row the kernels skip); blocks past the last group have expert
+    -1. The sizes depend on T, k and E only: at most one non-empty block per pair, and at most one padded
+    block per expert. One kernel up to ALIGN_MAX_PAIRS pairs, else moe_align_reference (torch)."""
+    if not (ids.is_cuda or INTERPRETING) or not 0 < ids.numel() <= ALIGN_MAX_PAIRS:
+        return moe_align_reference(ids, num_experts, block_m)
+    return align_in_one_program(ids, num_experts, block_m)
+
+
+def align_in_one_program(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe_align's kernel (1 to ALIGN_MAX_PAIRS pairs)."""
+    flat = ids.reshape(-1)
+    pairs = flat.numel()
+    blocks = min(pairs, triton.cdiv(pairs, block_m) + num_experts)
+    sorted_ids = torch.empty(blocks * block_m, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=ids.device)
+    block_p = next_power_of_2(pairs)
+    _align_kernel[(1,)](
+        flat.to(torch.int32).contiguous(), sorted_ids, block_expert, pairs, num_experts, blocks,
+        BLOCK_M=block_m, BLOCK_P=block_p, BINS=next_power_of_2(num_experts + 1), CHUNK=64,
+        num_warps=4 if block_p <= 1024 else 8 if block_p <= 2048 else 16, **pdl_options(),
+    )  # fmt: skip
+    return sorted_ids, block_expert
+
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, P, E, BLOCKS, BLOCK_M: tl.constexpr,
+                  BLOCK_P: tl.constexpr, BINS: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+    """moe_align in one program: the pairs sorted by (expert, pair) in registers, each expert's start and
+    padded start from its count, and every row written: the padding, then the pairs over it."""
+    wait_for_predecessor(USE_PDL)  # the expert ids
+    i = tl.arange(0, BLOCK_P)
+    ex = tl.load(ids_ptr + i, mask=i < P, other=E)  # past the pairs: bin E, sorted last
+    key = tl.sort(ex * BLOCK_P + i)  # by expert, then by pair: a stable order
+    ex_s = key // BLOCK_P
+    bins = tl.arange(0, BINS)
+    counts = tl.where(bins < E, tl.histogram(ex, BINS), 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    ok = ex_s < E
+    at = tl.where(ok, ex_s, 0)
+    dest = tl.gather(ends - padded, at, 0) + i - tl.gather(tl.cumsum(counts, 0) - counts, at, 0)
+    rows = BLOCKS * BLOCK_M
+    for r0 in range(0, rows, CHUNK * BLOCK_M):
+        r = r0 + tl.arange(0, CHUNK * BLOCK_M)
+        tl.store(sorted_ptr + r, tl.full((CHUNK * BLOCK_M,), 0, tl.int32) + P, mask=r < rows)
+    tl.debug_barrier()  # the padding stored before the pairs overwrite theirs (other threads' stores)
+    tl.store(sorted_ptr + tl.where(ok, dest, 0), key % BLOCK_P, mask=ok)
+    # block b's expert: how many groups end at or before its first row (E for the blocks past them all)
+    for b0 in range(0, BLOCKS, CHUNK):
+        b = b0 + tl.arange(0, CHUNK)
+        done = tl.sum(((ends[None, :] <= (b * BLOCK_M)[:, None]) & (bins[None, :] < E)).to(tl.int32), 1)
+        tl.store(block_expert_ptr + b, tl.where(done < E, done, -1), mask=b < BLOCKS)
+
+
+def moe_align_reference(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe_align in torch (static sizes too, so capturable; about 25 small kernels)."""
     flat = ids.reshape(-1).long()
     pairs = flat.numel()
     blocks = min(pairs, triton.cdiv(pairs, block_m) + num_experts)

@@ -70,6 +70,19 @@ def test_align_groups_pairs_by_expert() -> None:
     assert sorted(seen) == list(range(pairs))  # every pair exactly once
 
 
+@pytest.mark.parametrize(("t", "k", "e", "block_m"), [(37, 3, 10, 4), (8, 8, 128, 16), (1, 2, 8, 16), (50, 2, 5, 2)])
+def test_align_kernel_equals_the_torch_reference(t: int, k: int, e: int, block_m: int) -> None:
+    """The one-program align (a sort in registers) writes exactly what the torch version does: the same
+    order within each expert (pair order), padding and block experts; a skewed draw leaves experts empty."""
+    g = torch.Generator().manual_seed(t + e)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(torch.int32)
+    if t > 1:
+        ids[: t // 2] = torch.arange(k, dtype=torch.int32)  # half the tokens on the first k experts
+    got = moe.moe_align(ids, e, block_m)
+    want = moe.moe_align_reference(ids, e, block_m)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def _experts(e: int, h: int, inter: int, fp8: bool, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     w13 = torch.randn(e, 2 * inter, h, generator=g) * 0.2

@@ -11,6 +11,7 @@ from tokenspeed_kernels.moe import (
     MoeDecodeConfig,
     fused_moe,
     moe_align,
+    moe_align_reference,
     route_linear_topk,
     route_topk,
     route_topk_reference,
@@ -98,6 +99,13 @@ def test_both_shapes_agree() -> None:
     a = fused_moe(x, w13, w2, weights, ids, decode=True)
     b = fused_moe(x, w13, w2, weights, ids, decode=False)
     assert relative_error(a, b) < 1e-2
+
+
+@pytest.mark.parametrize(("tokens", "block_m"), [(1, 16), (100, 16), (512, 64)])
+def test_align_kernel_equals_the_torch_reference(tokens: int, block_m: int) -> None:
+    ids = torch.stack([torch.randperm(128, device=CUDA)[:8] for _ in range(tokens)]).to(torch.int32)
+    got, want = moe_align(ids, 128, block_m), moe_align_reference(ids, 128, block_m)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_align_has_no_host_sync_and_covers_every_pair() -> None:

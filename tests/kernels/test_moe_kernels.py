@@ -206,10 +206,12 @@ def test_table_lookup_by_shape_kind_and_token_bucket(tmp_path: Path, monkeypatch
 def test_shipped_table_loads() -> None:
     """kernels/moe_configs.json (what the H200 tuning measured) parses into valid configurations."""
     table = moe.load_table()
+    assert table, "the H200 tuning's table is shipped"
     for key, cfg in table.items():
-        assert key[0] in ("gemv", "grouped", "choice") and key[-1] in moe.TOKEN_BUCKETS, key
+        assert key[0] in ("gemv", "grouped", "router", "choice") and key[-1] in moe.TOKEN_BUCKETS, key
         if key[0] != "choice":
-            assert all(v & (v - 1) == 0 for v in (cfg.block_n, cfg.block_k)), (key, cfg)
+            tile = (cfg.slice_e, cfg.block_h) if key[0] == "router" else (cfg.block_n, cfg.block_k)
+            assert all(v & (v - 1) == 0 for v in tile), (key, cfg)
 
 
 def test_tuning_smoke_run_writes_a_table(tmp_path: Path) -> None:

@@ -306,6 +306,7 @@ class MoeDecodeConfig:
     num_warps: int = 4
     num_stages: int = 3
     use_dot: bool = False  # tensor-core tiles of DOT_ROWS rows (block_n and block_k at least 16)
+    pair_split: int = 1  # down: programs a token's k pairs are spread over (a divisor of k; else 1)
 
 
 @triton.jit
@@ -419,21 +420,25 @@ def _moe_gemv_kernel(
 
 @triton.jit
 def _moe_down_sum_kernel(
-    a_ptr, w_ptr, scale_ptr, c_ptr, route_ptr, ids_ptr, N, K, stride_am, stride_we, stride_wn, stride_se,
-    stride_cm, TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_DOT: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    a_ptr, w_ptr, scale_ptr, c_ptr, route_ptr, ids_ptr, parts_ptr, arrivals_ptr, N, K, stride_am, stride_we,
+    stride_wn, stride_se, stride_cm, TOP_K: tl.constexpr, PAIR_SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """The decode shape's down projection with the top-k sum folded in: out[token, n] for one token and
     BLOCK_N outputs, the sum over its k pairs of weight * (down rows of the pair's expert) . mid[pair],
-    taken in a fixed order in float32 (deterministic, unlike atomic adds)."""
+    in float32 and in a fixed order (deterministic, unlike atomic adds). With PAIR_SPLIT > 1 the token's
+    pairs are spread over that many programs (more loads in flight for a few tokens): each stores its
+    partial sum, and the last of them to finish adds the partials in split order."""
     token = tl.program_id(0)
     pid_n = tl.program_id(1)
+    split = tl.program_id(2)
     wait_for_predecessor(USE_PDL)  # mid and the routing come from the kernels before
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in range(TOP_K):
-        pair = token * TOP_K + j
+    for jj in range(TOP_K // PAIR_SPLIT):
+        pair = token * TOP_K + split * (TOP_K // PAIR_SPLIT) + jj
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         a_row = a_ptr + pair.to(tl.int64) * stride_am
         w_rows = w_ptr + expert * stride_we + rn[:, None].to(tl.int64) * stride_wn
@@ -441,7 +446,17 @@ def _moe_down_sum_kernel(
         if HAS_SCALE:
             part = part * tl.load(scale_ptr + expert * stride_se + rn, mask=n_ok, other=0.0)
         total += part * tl.load(route_ptr + pair)
-    tl.store(c_ptr + token.to(tl.int64) * stride_cm + rn, total.to(c_ptr.dtype.element_ty), mask=n_ok)
+    out = c_ptr + token.to(tl.int64) * stride_cm + rn
+    if PAIR_SPLIT == 1:
+        tl.store(out, total.to(c_ptr.dtype.element_ty), mask=n_ok)
+    else:
+        parts = parts_ptr + token.to(tl.int64) * PAIR_SPLIT * N + rn  # [T, PAIR_SPLIT, N] float32
+        tl.store(parts + split * N, total, mask=n_ok)
+        if last_to_arrive(arrivals_ptr + token * tl.num_programs(1) + pid_n, PAIR_SPLIT):
+            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for sp in range(PAIR_SPLIT):
+                total += tl.load(parts + sp * N, mask=n_ok, other=0.0, cache_modifier=".cg")
+            tl.store(out, total.to(c_ptr.dtype.element_ty), mask=n_ok)
 
 
 # ---------------------------------------------------------------- configurations
@@ -549,11 +564,16 @@ def expert_gemv_down(mid: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor | Non
     t, h = mid.shape[0] // top_k, w2.shape[1]
     out = torch.empty(t, h, dtype=mid.dtype, device=mid.device)
     s = s2 if s2 is not None else out
-    _moe_down_sum_kernel[(t, triton.cdiv(h, cfg.block_n))](
-        mid, w2, s, out, route, flat_ids, h, w2.shape[2], mid.stride(0), w2.stride(0), w2.stride(1),
-        s.stride(0) if s2 is not None else 0, out.stride(0), TOP_K=top_k, HAS_SCALE=s2 is not None,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot, PRECISION=dot_precision(mid.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(),
+    n_blocks = triton.cdiv(h, cfg.block_n)
+    split = cfg.pair_split if 1 < cfg.pair_split <= top_k and top_k % cfg.pair_split == 0 else 1
+    # Without a split neither the partial sums nor the counts are read.
+    parts = torch.empty(t, split, h, dtype=torch.float32, device=mid.device) if split > 1 else out
+    arrivals = arrival_counts(mid.device, t * n_blocks) if split > 1 else out
+    _moe_down_sum_kernel[(t, n_blocks, split)](
+        mid, w2, s, out, route, flat_ids, parts, arrivals, h, w2.shape[2], mid.stride(0), w2.stride(0),
+        w2.stride(1), s.stride(0) if s2 is not None else 0, out.stride(0), TOP_K=top_k, PAIR_SPLIT=split,
+        HAS_SCALE=s2 is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot,
+        PRECISION=dot_precision(mid.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(),
     )  # fmt: skip
     return out
 

@@ -39,7 +39,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -175,8 +175,9 @@ class Tuner:
         return 1e6 * (time.perf_counter() - t0)
 
     def search(self, run: Any, make: Any, tiles: list[tuple[int, int]], launches: list[tuple[int, int]],
-               default: Any) -> tuple[Any, float, float]:  # fmt: skip
-        """(best config, its us, the default's us) of run(config) over make(tile, launch) configs."""
+               default: Any, extra: Any = None) -> tuple[Any, float, float]:  # fmt: skip
+        """(best config, its us, the default's us) of run(config) over make(tile, launch) configs, then
+        over extra(best) (variants of the best one) if given."""
         times: dict[Any, float] = {}
 
         def measure(cfg: Any) -> None:
@@ -195,6 +196,9 @@ class Tuner:
         best_tile = min(times, key=times.get)
         for launch in launches:
             measure(make(_tile_of(best_tile), launch))
+        best = min(times, key=times.get)
+        for cfg in extra(best) if extra is not None else ():
+            measure(cfg)
         best = min(times, key=times.get)
         return best, times[best], times.get(default, float("nan"))
 
@@ -346,8 +350,11 @@ def tune_gemv(tuner: Tuner, case: TuneCase, tokens: int, x: torch.Tensor, flat: 
     mid = moe.expert_gemv_up(x, w13, s13, flat, k, default)
     up = tuner.search(lambda c: moe.expert_gemv_up(x, w13, s13, flat, k, c), make, tiles, launches, default)
     tuner.record("gemv", shape, w13.shape[1], w13.shape[2], label, tokens, *up)
+    def split(best: Any) -> list[Any]:  # the down kernel's pairs spread over 2 to k programs
+        return [replace(best, pair_split=n) for n in range(2, k + 1) if k % n == 0 and n & (n - 1) == 0]
+
     down = tuner.search(lambda c: moe.expert_gemv_down(mid, w2, s2, route, flat, k, c), make, tiles, launches,
-                        default)  # fmt: skip
+                        default, split)  # fmt: skip
     tuner.record("gemv", shape, w2.shape[1], w2.shape[2], label, tokens, *down)
     return up[0], down[0]
 

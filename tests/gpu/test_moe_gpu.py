@@ -82,8 +82,8 @@ def test_router_linear_in_one_launch_picks_a_top_k(e: int, k: int, h: int, inter
 @pytest.mark.parametrize(("e", "k", "h", "inter"), SHAPES)
 def test_fused_moe_matches_float64(e: int, k: int, h: int, inter: int, tokens: int | str, fp8: bool) -> None:
     """The default path (the kept table's tiles where measured), and the decode GEMVs' tensor-core form
-    forced (the tuning may pick it)."""
-    config = MoeDecodeConfig(block_n=16, block_k=128, use_dot=True) if isinstance(tokens, str) else None
+    forced with the down kernel's pairs over 2 programs where k is even (the tuning may pick both)."""
+    config = MoeDecodeConfig(block_n=16, block_k=128, use_dot=True, pair_split=2) if isinstance(tokens, str) else None
     tokens = int(str(tokens).split()[-1])
     w13, w2, s13, s2 = experts(e, h, inter, fp8)
     x = torch.randn(tokens, h, device=CUDA).bfloat16()

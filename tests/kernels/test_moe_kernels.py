@@ -138,22 +138,27 @@ def test_default_shape_matches_reference() -> None:
     assert relative_error(out, fused_moe_reference(x, w13, w2, weights, ids)) < 1e-5
 
 
-@pytest.mark.parametrize("use_dot", [False, True], ids=["fma", "dot"])
+@pytest.mark.parametrize(("use_dot", "pair_split"), [(False, 1), (True, 1), (False, 3), (True, 3), (False, 2)],
+                         ids=["fma", "dot", "fma, pairs over 3 programs", "dot, pairs over 3 programs",
+                              "a split not dividing k: none"])  # fmt: skip
 @pytest.mark.parametrize("fp8", [False, True], ids=["fp32 weights", "fp8 weights"])
-def test_decode_down_sums_each_tokens_pairs(fp8: bool, use_dot: bool) -> None:
+def test_decode_down_sums_each_tokens_pairs(fp8: bool, use_dot: bool, pair_split: int) -> None:
     """The decode shape's down kernel takes the top-k weighted sum itself: against the sum in torch of
-    each pair's down projection, with N not a multiple of the tile, in both forms (FMA, tensor cores)."""
+    each pair's down projection, with N not a multiple of the tile, in both forms (FMA, tensor cores),
+    the pairs in one program or spread over several (partials summed by the last to finish)."""
     e, h, inter, t, k = 6, 36, 20, 3, 3
     _, w2, _, s2 = _experts(e, h, inter, fp8)
     g = torch.Generator().manual_seed(5)
     mid = torch.randn(t * k, inter, generator=g)
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(torch.int32).reshape(-1)
     route = torch.rand(t * k, generator=g)
-    out = expert_gemv_down(mid, w2, s2, route, ids, k, MoeDecodeConfig(block_n=16, block_k=16, use_dot=use_dot))
+    cfg = MoeDecodeConfig(block_n=16, block_k=16, use_dot=use_dot, pair_split=pair_split)
+    out = expert_gemv_down(mid, w2, s2, route, ids, k, cfg)
     d2 = w2.float() if s2 is None else w2.float() * s2[..., None]
     rows = torch.stack([route[p] * (d2[ids[p]] @ mid[p]) for p in range(t * k)]).view(t, k, h)
     assert out.shape == (t, h)
     torch.testing.assert_close(out, rows.sum(1), rtol=1e-5, atol=1e-5)
+    assert moe.arrival_counts(out.device, 64).eq(0).all()  # left at zero for the next kernel
 
 
 @pytest.mark.parametrize("decode", [True, False], ids=["per-pair gemv", "grouped gemm"])

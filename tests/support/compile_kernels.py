@@ -152,8 +152,8 @@ def moe_cases(moe) -> list[tuple[str, Callable[[], object]]]:  # noqa: ANN001
                 out.append((f"fused_moe {name} x {x_dtype} {'decode' if decode else 'grouped'}",
                             lambda x=x, w13=w13, w2=w2, s=scales, d=decode: moe.fused_moe(
                                 x, w13, w2, weights, ids, *s, decode=d)))  # fmt: skip
-            dot = moe.MoeDecodeConfig(block_n=16, block_k=64, use_dot=True)
-            out.append((f"fused_moe {name} x {x_dtype} decode on tensor cores",
+            dot = moe.MoeDecodeConfig(block_n=16, block_k=64, use_dot=True, pair_split=2)  # down: k over 2
+            out.append((f"fused_moe {name} x {x_dtype} decode on tensor cores, pairs split",
                         lambda x=x, w13=w13, w2=w2, s=scales, c=dot: moe.fused_moe(
                             x, w13, w2, weights, ids, *s, decode=True, config=c)))  # fmt: skip
     return out

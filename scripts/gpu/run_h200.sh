@@ -63,11 +63,12 @@
 #                            all-reduce for small tensors, and at TP=2 with NCCL only: ~150 s
 #   serving_dp               two GPUs: the appliance at 1 replica, then --data-parallel-size 2: ~300 s
 #   moe_tune                 bench_moe.py --tune on the Qwen3-30B-A3B and Mixtral expert shapes, bf16 and FP8, 1 to
-#                            4096 tokens, for MOE_TUNE_BUDGET (150) s, the largest token counts skipped past it
+#                            4096 tokens, for MOE_TUNE_BUDGET (280) s, the largest token counts skipped past it
+#                            (150 s reached 1 and 2 tokens); its run takes the budget + ~30 s
 #   moe_decode               bench_moe.py: Qwen3-30B-A3B batch 1, bf16 then FP8 weights, the active-weight roofline,
-#                            transformers' generate: ~200 s
+#                            transformers' generate: ~70 s
 #   moe_tests                tests/gpu/test_moe_gpu.py: ~60 s
-#   moe_profile              torch.profiler over 20 batch-1 decode steps of Qwen3-30B-A3B, PDL off: ~80 s
+#   moe_profile              torch.profiler over 20 batch-1 decode steps of Qwen3-30B-A3B, PDL off: ~40 s
 #   moe_offline_1000         1000 requests of 1000 in / 1000 out on Qwen3-30B-A3B, bf16, triton attention, MOE_SEQS
 #                            (256) running; MOE_REQUESTS fewer requests for a shorter run
 # A stage that cannot finish before DEADLINE is skipped rather than cut (offline_1000*), so give each
@@ -131,7 +132,7 @@ if [ -z "${NO_WARM:-}" ]; then
   WARM=$!
 fi
 
-MOE_TUNE_BUDGET=${MOE_TUNE_BUDGET:-150}  # seconds of tuning: the larger token counts left are skipped
+MOE_TUNE_BUDGET=${MOE_TUNE_BUDGET:-280}  # seconds of tuning: the larger token counts left are skipped
 DEADLINE=${DEADLINE:-260}  # seconds: no stage starts after it, none runs past it (the device call's limit)
 stage() {  # stage NAME TIMEOUT CMD...: run, log, record the exit status; the log's tail if it failed
   local name=$1 limit=$2; shift 2

@@ -14,6 +14,10 @@
 #                     with a warm cache)
 #   figures_serving   the whole appliance over HTTP: start to ready, TTFT and TPOT at 1 and 4 streams
 #   figures_tp        two GPUs (nvidia-h200-x2): TP=2 tests, batch-1 decode at TP=1 and 2, DP=2 serving
+#   figures_moe       MoE (issue 33; run with NO_WARM=1 DEADLINE=570): the kernels' tuning (its table copied to
+#                     kernels/ for the stages after it and to $OUT/moe_configs.json), Qwen3-30B-A3B batch-1
+#                     decode bf16 and FP8 with transformers beside them, the MoE GPU tests, a profile of batch-1
+#                     decode, and the 1000 x 1000 offline figure if the time left allows (else a call of its own)
 # Stages (a suite is a list of these; each can be named alone):
 #   roofline                 copy bandwidth and a bf16 matmul (scripts/gpu/roofline.py): ~40 s
 #   latency_triton latency_flashinfer latency_b4 latency_b32
@@ -58,6 +62,15 @@
 #   tests_tp latency_tp      two GPUs: TP=2 GPU tests; batch-1 decode at TP=1, at TP=2 with the one-shot
 #                            all-reduce for small tensors, and at TP=2 with NCCL only: ~150 s
 #   serving_dp               two GPUs: the appliance at 1 replica, then --data-parallel-size 2: ~300 s
+#   moe_tune                 bench_moe.py --tune on the Qwen3-30B-A3B and Mixtral expert shapes, bf16 and FP8, 1 to
+#                            4096 tokens, for MOE_TUNE_BUDGET (280) s, the largest token counts skipped past it
+#                            (150 s reached 1 and 2 tokens); its run takes the budget + ~30 s
+#   moe_decode               bench_moe.py: Qwen3-30B-A3B batch 1, bf16 then FP8 weights, the active-weight roofline,
+#                            transformers' generate: ~70 s
+#   moe_tests                tests/gpu/test_moe_gpu.py: ~60 s
+#   moe_profile              torch.profiler over 20 batch-1 decode steps of Qwen3-30B-A3B, PDL off: ~40 s
+#   moe_offline_1000         1000 requests of 1000 in / 1000 out on Qwen3-30B-A3B, bf16, triton attention, MOE_SEQS
+#                            (256) running; MOE_REQUESTS fewer requests for a shorter run
 # A stage that cannot finish before DEADLINE is skipped rather than cut (offline_1000*), so give each
 # 1000-request stage a device call of its own unless the estimates above add up.
 set -uo pipefail
@@ -74,16 +87,18 @@ suite() {  # suite NAME: its stages, or nothing for a name that is not a suite
     figures_offline) echo offline_1000 offline_1000_fp8kv ;;
     figures_serving) echo serving ;;
     figures_tp) echo tests_tp latency_tp serving_dp ;;
+    figures_moe) echo moe_tune moe_decode moe_tests moe_profile moe_offline_1000 ;;
   esac
 }
 STAGES=
 for name in ${*:-gpu_tests}; do stages=$(suite "$name"); STAGES="$STAGES ${stages:-$name}"; done
 KNOWN=" roofline cold_start latency_triton latency_flashinfer latency_b4 latency_b32 latency_fp8 latency_fp8_triton kv_pool idle \
 offline offline_1000 offline_1000_fp8kv serving hf profile_prefill profile_b1_fp8 profile_b1_bf16 profile_b4 gemv gemv_chain \
-attn attn_sweep elementwise tests tests_flashinfer tests_8b tests_decode tests_fp8w pytest tests_tp latency_tp serving_dp "
+attn attn_sweep elementwise tests tests_flashinfer tests_8b tests_decode tests_fp8w pytest tests_tp latency_tp serving_dp \
+moe_tune moe_decode moe_tests moe_profile moe_offline_1000 "
 SERVING_MORE="stagger:4:0.5:32:128 b1:1:0:3:256"  # the serving stages' benchmarks after the first (serve_and_bench.sh)
 for s in $STAGES; do  # every name checked before anything runs
-  [[ $KNOWN == *" $s "* ]] || { echo "unknown stage $s; suites: gpu_tests figures_latency figures_offline figures_serving figures_tp; stages:$KNOWN"; exit 2; }
+  [[ $KNOWN == *" $s "* ]] || { echo "unknown stage $s; suites: gpu_tests figures_latency figures_offline figures_serving figures_tp figures_moe; stages:$KNOWN"; exit 2; }
 done
 
 # Once per machine and set of wheels (a lock: parallel instances share /tmp/site). The stamp holds the
@@ -117,6 +132,7 @@ if [ -z "${NO_WARM:-}" ]; then
   WARM=$!
 fi
 
+MOE_TUNE_BUDGET=${MOE_TUNE_BUDGET:-280}  # seconds of tuning: the larger token counts left are skipped
 DEADLINE=${DEADLINE:-260}  # seconds: no stage starts after it, none runs past it (the device call's limit)
 stage() {  # stage NAME TIMEOUT CMD...: run, log, record the exit status; the log's tail if it failed
   local name=$1 limit=$2; shift 2
@@ -197,6 +213,25 @@ for s in $STAGES; do
     # The 1000-request stages do not wait for the background warm-up: their own start-up builds what
     # they need (flashinfer locks its JIT modules, so the two share one compile).
     offline_1000) fits offline_1000 280 && run_offline_1000 offline_1000 384 360 8192 ;;
+    # MoE (issue 33), Qwen3-30B-A3B shape, dummy weights, the triton attention backend (NO_WARM=1: no
+    # flashinfer). moe_tune's table is copied into kernels/ (and $OUT) so that the stages after it run
+    # the tuned tiles.
+    moe_tune) stage moe_tune $((MOE_TUNE_BUDGET + 90)) python3 scripts/gpu/bench_moe.py --tune \
+        --tune-budget "$MOE_TUNE_BUDGET" --json "$RUN/moe_tune.json"
+      [ -s "$RUN/moe_tune.json" ] && cp "$RUN/moe_tune.json" kernels/moe_configs.json && cp "$RUN/moe_tune.json" "$OUT/moe_configs.json" ;;
+    moe_decode) stage moe_decode 240 python3 scripts/gpu/bench_moe.py --model configs/models/qwen3-30b-a3b \
+        --attention-backend triton --hf-output-len 16 --json "$RUN/moe_decode.json" ;;
+    moe_tests) stage moe_tests 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe_gpu.py ;;
+    # Each kernel's GPU time over 20 batch-1 decode steps (PDL off: each kernel's own time), the tuned tiles.
+    moe_profile) stage moe_profile 150 python3 -m app.bench.offline --model configs/models/qwen3-30b-a3b \
+        --load-format dummy --dtype bfloat16 --attention-backend triton --num-requests 1 --input-len 512 \
+        --output-len 160 --max-num-seqs 1 --profile-steps 100:20 --no-pdl --json "$RUN/moe_profile.json" ;;
+    # 1000 x (1000 in / 1000 out): a Qwen3-30B-A3B KV token is 48 layers x 4 heads x 128 x 2 x 2 bytes =
+    # 96 KiB; the ~60 GiB the 61 GB of weights leave at 0.9 hold ~650k tokens, 320 requests at 2000.
+    moe_offline_1000) fits moe_offline_1000 200 && stage moe_offline_1000 420 python3 -m app.bench.offline \
+        --model configs/models/qwen3-30b-a3b --load-format dummy --dtype bfloat16 --attention-backend triton \
+        --num-requests "${MOE_REQUESTS:-1000}" --input-len 1000 --output-len 1000 --max-num-seqs "${MOE_SEQS:-256}" \
+        --chunked-prefill-size 8192 --json "$RUN/moe_offline_1000.json" ;;
     offline_1000_fp8kv) fits offline_1000_fp8kv 250 && run_offline_1000 offline_1000_fp8kv "${FP8KV_SEQS:-512}" 330 \
       "${FP8KV_CHUNK:-16384}" --quantization fp8 --kv-cache-dtype fp8_e4m3 --max-cudagraph-capture-size "${FP8KV_SEQS:-512}" ;;
     hf) stage hf_b1 120 python3 scripts/gpu/hf_reference.py --model $MODEL --batch-size 1 --output-len 64 --json "$RUN/hf_b1.json" ;;

@@ -223,11 +223,55 @@ def scheduler_lines(run: Path, results: dict[str, dict]) -> list[str]:
     return lines
 
 
+def moe_lines(results: dict[str, dict]) -> list[str]:
+    """The MoE stages: batch-1 decode bf16 and FP8 against the active-weight roofline and transformers,
+    the 1000 x 1000 offline figure, and the tuning's gain over the default tiles at one token."""
+    lines = []
+    d = results.get("moe_decode")
+    if d:
+        lines.append("| MoE figure | value | goal | limit |")
+        lines.append("|---|---|---|---|")
+        for name, label in (("none", "bf16"), ("fp8", "FP8")):
+            r = d.get(name)
+            if r:
+                lines.append(f"| batch-1 decode tok/s, {label} (graph replay) | {fmt(r.get('graph_tokens_per_s'))} "
+                             f"(decode loop {fmt(r.get('decode_tokens_per_s'))}) | "
+                             f"{'450' if name == 'none' else ''} | {fmt(r.get('active_roofline_tokens_per_s'))} |")  # fmt: skip
+        if d.get("fp8_over_bf16"):
+            lines.append(f"| FP8 / bf16 (decode loop) | {d['fp8_over_bf16']:.3f} | 1.5 | |")
+        if d.get("transformers"):
+            lines.append(f"| transformers generate, batch 1 | {fmt(d['transformers']['decode_tokens_per_s'])} | | |")
+    o = results.get("moe_offline_1000")
+    if o:
+        lines.append(f"| offline {o['num_requests']} x {o['input_len']}/{o['output_len']} output tok/s | "
+                     f"{fmt(o['output_tokens_per_s'], '.0f')} | 15,000 | |")
+        lines.append(offline_line("moe_offline_1000", o))
+    prof = (results.get("moe_profile") or {}).get("profile")
+    if prof:
+        lines.append(f"moe_profile: {prof['steps']} batch-1 decode steps, {prof['wall_ms'] / prof['steps']:.3f} ms a "
+                     f"step, GPU busy {prof['gpu_busy_share']:.0%}; the kernels' GPU time a step:")  # fmt: skip
+        for k in prof["kernels"][:12]:
+            lines.append(f"  {k['ms'] * 1e3 / prof['steps']:8.1f} us {k['share']:6.1%} {k['calls'] // prof['steps']:4d}x "
+                         f"{k['name']}")  # fmt: skip
+    t = results.get("moe_tune")
+    if t:
+        lines.append(f"moe_tune: {t.get('source')}; {len(t.get('configs', []))} configurations, skipped "
+                     f"{t.get('skipped')}")  # fmt: skip
+        for row in t.get("configs", []):
+            if row["tokens"] == 1:
+                lines.append(f"  {row['model']} {row['weights']} {row['path']} [{row['n']}x{row['k']}] 1 token: "
+                             f"{row['us']} us (default {row['default_us']} us) {row['config']}")  # fmt: skip
+        for row in t.get("choices", []):
+            lines.append(f"  {row['model']} {row['weights']} {row['tokens']} tokens: decode shape "
+                         f"{row['decode_us']} us, grouped {row['grouped_us']} us")  # fmt: skip
+    return lines
+
+
 def table(results: dict[str, dict]) -> list[str]:
     ratios = ratio_lines(results)
     dicts = {name: r for name, r in results.items() if isinstance(r, dict)}
     return (latency_table(dicts) + other_lines(dicts) + gemv_lines(results)
-            + (["ratios:", *ratios] if ratios else []))
+            + (["ratios:", *ratios] if ratios else []) + moe_lines(dicts))
 
 
 def main() -> None:

@@ -7,7 +7,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tokenspeed_kernels.moe import fused_moe, moe_align, route_topk, route_topk_reference
+from tokenspeed_kernels.moe import (
+    MoeDecodeConfig,
+    fused_moe,
+    moe_align,
+    moe_align_reference,
+    route_linear_topk,
+    route_topk,
+    route_topk_reference,
+)
 
 from app.worker.layers.moe import MoeSpec, SparseMoeBlock
 from app.worker.quantization import quantize_rows
@@ -51,14 +59,36 @@ def test_router_matches_reference(e: int, k: int, h: int, inter: int) -> None:
     torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("tokens", [1, 4, 300], ids=["decode 1", "decode 4", "grouped 300"])
 @pytest.mark.parametrize(("e", "k", "h", "inter"), SHAPES)
-def test_fused_moe_matches_float64(e: int, k: int, h: int, inter: int, tokens: int, fp8: bool) -> None:
+def test_router_linear_in_one_launch_picks_a_top_k(e: int, k: int, h: int, inter: int) -> None:
+    """route_linear_topk against the float32 linear: its logits are rounded to bf16 after a sum in another
+    order than cuBLAS's, so a near-tie may go either way; every pick must be a top-k up to that rounding,
+    and the weights the softmax at the picks."""
+    x = torch.randn(16, h, device=CUDA).bfloat16()
+    w = (torch.randn(e, h, device=CUDA) * h**-0.5).bfloat16()
+    weights, ids = route_linear_topk(x, w, k, renormalize=True)
+    exact = x.float() @ w.float().T
+    kth = exact.topk(k, dim=-1).values[:, -1:]
+    tol = 2 * (exact.abs().amax(-1, keepdim=True) * 2**-8)  # two bf16 ulps of the largest logit
+    assert (exact.gather(1, ids.long()) >= kth - tol).all()
+    assert all(len(set(r)) == k for r in ids.tolist())  # k distinct experts a token
+    p = torch.softmax(exact.bfloat16().float(), -1).gather(1, ids.long())
+    torch.testing.assert_close(weights, p / p.sum(-1, keepdim=True), rtol=2e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("tokens", [1, 4, 300, "dot 1", "dot 4"],
+                         ids=["decode 1", "decode 4", "grouped 300", "decode 1 tensor cores", "decode 4 tensor cores"])  # fmt: skip
+@pytest.mark.parametrize(("e", "k", "h", "inter"), SHAPES)
+def test_fused_moe_matches_float64(e: int, k: int, h: int, inter: int, tokens: int | str, fp8: bool) -> None:
+    """The default path (the kept table's tiles where measured), and the decode GEMVs' tensor-core form
+    forced with the down kernel's pairs over 2 programs where k is even (the tuning may pick both)."""
+    config = MoeDecodeConfig(block_n=16, block_k=128, use_dot=True, pair_split=2) if isinstance(tokens, str) else None
+    tokens = int(str(tokens).split()[-1])
     w13, w2, s13, s2 = experts(e, h, inter, fp8)
     x = torch.randn(tokens, h, device=CUDA).bfloat16()
     weights, ids = route_topk(torch.randn(tokens, e, device=CUDA), k, renormalize=True)
-    out = fused_moe(x, w13, w2, weights, ids, s13, s2)
+    out = fused_moe(x, w13, w2, weights, ids, s13, s2, decode=True if config else None, config=config)
     assert relative_error(out, reference64(x, w13, w2, weights, ids, s13, s2)) < 1e-2  # bf16 x and output
 
 
@@ -69,6 +99,13 @@ def test_both_shapes_agree() -> None:
     a = fused_moe(x, w13, w2, weights, ids, decode=True)
     b = fused_moe(x, w13, w2, weights, ids, decode=False)
     assert relative_error(a, b) < 1e-2
+
+
+@pytest.mark.parametrize(("tokens", "block_m"), [(1, 16), (100, 16), (512, 64)])
+def test_align_kernel_equals_the_torch_reference(tokens: int, block_m: int) -> None:
+    ids = torch.stack([torch.randperm(128, device=CUDA)[:8] for _ in range(tokens)]).to(torch.int32)
+    got, want = moe_align(ids, 128, block_m), moe_align_reference(ids, 128, block_m)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_align_has_no_host_sync_and_covers_every_pair() -> None:
@@ -82,7 +119,7 @@ def test_align_has_no_host_sync_and_covers_every_pair() -> None:
     assert torch.equal(real, torch.arange(ids.numel(), device=CUDA, dtype=torch.int32))
 
 
-@pytest.mark.parametrize("tokens", [1, 8, 100])
+@pytest.mark.parametrize("tokens", [1, 8, 100])  # the router in one launch at 1 and 8, linear then route at 100
 def test_cuda_graph_replays_eager(tokens: int) -> None:
     spec = MoeSpec(num_experts=128, top_k=8, intermediate=768, renormalize=True)
     with torch.device(CUDA):

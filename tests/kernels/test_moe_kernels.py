@@ -5,12 +5,18 @@ every expert chosen and ragged tiles (shapes that are not multiples of the block
 
 from __future__ import annotations
 
+import itertools
+import json
+from pathlib import Path
+
 import pytest
 import torch
+from tokenspeed_kernels import moe
 from tokenspeed_kernels.common import FP8_DTYPE
 from tokenspeed_kernels.moe import (
     MoeConfig,
     MoeDecodeConfig,
+    expert_gemv_down,
     fused_moe,
     fused_moe_reference,
     moe_align,
@@ -64,6 +70,19 @@ def test_align_groups_pairs_by_expert() -> None:
     assert sorted(seen) == list(range(pairs))  # every pair exactly once
 
 
+@pytest.mark.parametrize(("t", "k", "e", "block_m"), [(37, 3, 10, 4), (8, 8, 128, 16), (1, 2, 8, 16), (50, 2, 5, 2)])
+def test_align_kernel_equals_the_torch_reference(t: int, k: int, e: int, block_m: int) -> None:
+    """The one-program align (a sort in registers) writes exactly what the torch version does: the same
+    order within each expert (pair order), padding and block experts; a skewed draw leaves experts empty."""
+    g = torch.Generator().manual_seed(t + e)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(torch.int32)
+    if t > 1:
+        ids[: t // 2] = torch.arange(k, dtype=torch.int32)  # half the tokens on the first k experts
+    got = moe.moe_align(ids, e, block_m)
+    want = moe.moe_align_reference(ids, e, block_m)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def _experts(e: int, h: int, inter: int, fp8: bool, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     w13 = torch.randn(e, 2 * inter, h, generator=g) * 0.2
@@ -75,8 +94,8 @@ def _experts(e: int, h: int, inter: int, fp8: bool, seed: int = 0):
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["fp32 weights", "fp8 weights"])
-@pytest.mark.parametrize("decode", [True, False], ids=["per-pair gemv", "grouped gemm"])
-def test_fused_moe_matches_reference(decode: bool, fp8: bool) -> None:
+@pytest.mark.parametrize("decode", [True, "dot", False], ids=["per-pair gemv", "per-pair gemv dot", "grouped gemm"])
+def test_fused_moe_matches_reference(decode: bool | str, fp8: bool) -> None:
     e, h, inter, t, k = 5, 40, 24, 7, 2
     w13, w2, s13, s2 = _experts(e, h, inter, fp8)
     x = torch.randn(t, h, generator=torch.Generator().manual_seed(1))
@@ -84,8 +103,9 @@ def test_fused_moe_matches_reference(decode: bool, fp8: bool) -> None:
     weights, ids = route_topk(logits, k, renormalize=True)
     ids[:e, 0] = torch.arange(e, dtype=torch.int32)  # every expert chosen at least once
     ids[:e, 1] = (ids[:e, 0] + 1) % e
-    config = MoeDecodeConfig(block_n=16, block_k=32) if decode else MoeConfig(block_m=16, block_n=16, block_k=16)
-    out = fused_moe(x, w13, w2, weights, ids, s13, s2, decode=decode, config=config)
+    config = MoeDecodeConfig(block_n=16, block_k=32, use_dot=decode == "dot") if decode else \
+        MoeConfig(block_m=16, block_n=16, block_k=16)  # fmt: skip
+    out = fused_moe(x, w13, w2, weights, ids, s13, s2, decode=bool(decode), config=config)
     ref = fused_moe_reference(x, w13, w2, weights, ids, s13, s2)
     assert out.shape == (t, h)
     assert relative_error(out, ref) < 1e-5
@@ -116,3 +136,129 @@ def test_default_shape_matches_reference() -> None:
     weights, ids = route_topk(torch.randn(6, 4, generator=torch.Generator().manual_seed(4)), 2, renormalize=False)
     out = fused_moe(x, w13, w2, weights, ids)  # 12 pairs of 4 experts: grouped
     assert relative_error(out, fused_moe_reference(x, w13, w2, weights, ids)) < 1e-5
+
+
+@pytest.mark.parametrize(("use_dot", "pair_split"), [(False, 1), (True, 1), (False, 3), (True, 3), (False, 2)],
+                         ids=["fma", "dot", "fma, pairs over 3 programs", "dot, pairs over 3 programs",
+                              "a split not dividing k: none"])  # fmt: skip
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32 weights", "fp8 weights"])
+def test_decode_down_sums_each_tokens_pairs(fp8: bool, use_dot: bool, pair_split: int) -> None:
+    """The decode shape's down kernel takes the top-k weighted sum itself: against the sum in torch of
+    each pair's down projection, with N not a multiple of the tile, in both forms (FMA, tensor cores),
+    the pairs in one program or spread over several (partials summed by the last to finish)."""
+    e, h, inter, t, k = 6, 36, 20, 3, 3
+    _, w2, _, s2 = _experts(e, h, inter, fp8)
+    g = torch.Generator().manual_seed(5)
+    mid = torch.randn(t * k, inter, generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(torch.int32).reshape(-1)
+    route = torch.rand(t * k, generator=g)
+    cfg = MoeDecodeConfig(block_n=16, block_k=16, use_dot=use_dot, pair_split=pair_split)
+    out = expert_gemv_down(mid, w2, s2, route, ids, k, cfg)
+    d2 = w2.float() if s2 is None else w2.float() * s2[..., None]
+    rows = torch.stack([route[p] * (d2[ids[p]] @ mid[p]) for p in range(t * k)]).view(t, k, h)
+    assert out.shape == (t, h)
+    torch.testing.assert_close(out, rows.sum(1), rtol=1e-5, atol=1e-5)
+    assert moe.arrival_counts(out.device, 64).eq(0).all()  # left at zero for the next kernel
+
+
+@pytest.mark.parametrize("decode", [True, False], ids=["per-pair gemv", "grouped gemm"])
+def test_fused_moe_takes_a_config_per_projection(decode: bool) -> None:
+    e, h, inter, t, k = 4, 24, 40, 5, 2
+    w13, w2, _, _ = _experts(e, h, inter, fp8=False)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(6))
+    weights, ids = route_topk(torch.randn(t, e, generator=torch.Generator().manual_seed(7)), k, renormalize=True)
+    if decode:
+        configs = (MoeDecodeConfig(block_n=16, block_k=16), MoeDecodeConfig(block_n=4, block_k=64))
+    else:  # different row tiles: the pairs are grouped again for down
+        configs = (MoeConfig(block_m=16, block_n=16, block_k=16), MoeConfig(block_m=32, block_n=32, block_k=16))
+    out = fused_moe(x, w13, w2, weights, ids, decode=decode, config=configs)
+    assert relative_error(out, fused_moe_reference(x, w13, w2, weights, ids)) < 1e-5
+
+
+def _table_json(path: Path) -> Path:
+    path.write_text(json.dumps({
+        "configs": [
+            {"path": "gemv", "experts": 128, "n": 1536, "k": 2048, "weights": "16", "tokens": 4,
+             "config": {"block_n": 4, "block_k": 256, "num_warps": 2, "num_stages": 4}},
+            {"path": "grouped", "experts": 128, "n": 2048, "k": 768, "weights": "fp8", "tokens": 512,
+             "config": {"block_m": 32, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3}},
+            {"path": "router", "experts": 128, "n": 128, "k": 2048, "weights": "16", "tokens": 1,
+             "config": {"slice_e": 16, "block_h": 512, "num_warps": 2}, "unfused_us": 9.0},
+        ],
+        "choices": [{"experts": 128, "top_k": 8, "hidden": 2048, "intermediate": 768, "weights": "16",
+                     "tokens": 16, "decode": True}],
+    }))  # fmt: skip
+    return path
+
+
+def test_table_lookup_by_shape_kind_and_token_bucket(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(moe, "_TABLE", moe.load_table(_table_json(tmp_path / "t.json")))
+    bf16, fp8 = torch.bfloat16, FP8_DTYPE
+    assert moe.token_bucket(3) == 4 and moe.token_bucket(4) == 4 and moe.token_bucket(10_000) == 4096
+    # 3 and 4 tokens share bucket 4; float16 is a 16-bit kind too; float32 and other shapes are not measured
+    assert moe.measured("gemv", 128, 1536, 2048, bf16, 3) == MoeDecodeConfig(4, 256, 2, 4)
+    assert moe.measured("gemv", 128, 1536, 2048, torch.float16, 4) == MoeDecodeConfig(4, 256, 2, 4)
+    assert moe.measured("gemv", 128, 1536, 2048, torch.float32, 4) is None
+    assert moe.measured("gemv", 128, 1536, 2048, bf16, 5) is None
+    assert moe.measured("gemv", 128, 2048, 768, bf16, 4) is None
+    assert moe.measured("grouped", 128, 2048, 768, fp8, 300) == MoeConfig(32, 128, 64, 8, 3)
+    assert moe.measured("router", 128, 128, 2048, bf16, 1) == moe.RouterConfig(16, 512, 2)
+    w13 = torch.empty(128, 2 * 768, 2048, dtype=bf16, device="meta")
+    assert moe.measured_choice(9, 8, w13) is True  # bucket 16: the decode shape, past use_decode_shape's 8
+    assert moe.measured_choice(17, 8, w13) is None
+
+
+def test_shipped_table_loads() -> None:
+    """kernels/moe_configs.json (what the H200 tuning measured) parses into valid configurations."""
+    table = moe.load_table()
+    assert table, "the H200 tuning's table is shipped"
+    for key, cfg in table.items():
+        assert key[0] in ("gemv", "grouped", "router", "choice") and key[-1] in moe.TOKEN_BUCKETS, key
+        if key[0] != "choice":
+            tile = (cfg.slice_e, cfg.block_h) if key[0] == "router" else (cfg.block_n, cfg.block_k)
+            assert all(v & (v - 1) == 0 for v in tile), (key, cfg)
+
+
+def test_tuning_smoke_run_writes_a_table(tmp_path: Path) -> None:
+    """bench_moe.py --tune end to end on a tiny shape in the interpreter: the JSON it writes is a table
+    kernels/moe.py reads, with both decode kernels, both grouped GEMMs, the router and the choice of
+    shape."""
+    from scripts.gpu import bench_moe
+
+    out = tmp_path / "tune.json"
+    bench_moe.main(["--tune", "--smoke", "--tune-weights", "16,fp8", "--tune-tokens", "1", "--json", str(out)])
+    table = moe.load_table(out)
+    e, h, inter = 4, 32, 24
+    for kind in ("32", "fp8"):  # the smoke run's "16" experts are float32: the interpreter has no bfloat16
+        for path, (n, k) in itertools.product(("gemv", "grouped"), ((2 * inter, h), (h, inter))):
+            assert (path, e, n, k, kind, 1) in table, (path, n, k, kind)
+        assert isinstance(table[("choice", e, 2, h, inter, kind, 1)], bool)
+    assert isinstance(table[("router", e, e, h, "32", 1)], moe.RouterConfig)  # the router is 16-bit, never FP8
+    assert not any(key[0] == "router" and key[4] == "fp8" for key in table)
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_router_linear_in_one_launch_matches_linear_then_route(renormalize: bool) -> None:
+    """route_linear_topk: the router linear, softmax and top-k in one launch, against torch's linear and
+    the reference routing. Small integers keep every logit exact, so the ids must be equal, ties too
+    (a token whose x is zero: every expert equal, ids 0..k-1; two equal weight rows: the lower id first);
+    E not a multiple of the slice, H not of the block."""
+    g = torch.Generator().manual_seed(8)
+    e, h, t, k = 10, 40, 5, 3
+    x = torch.randint(-3, 4, (t, h), generator=g).float()
+    w = torch.randint(-2, 3, (e, h), generator=g).float() / 8
+    x[1] = 0.0
+    w[7] = w[2]
+    x[3] = w[2] * 8  # experts 2 and 7 on top for token 3, tied
+    weights, ids = moe.route_linear_topk(x, w, k, renormalize)
+    ref_w, ref_ids = route_topk_reference(torch.nn.functional.linear(x, w), k, renormalize)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_w, rtol=1e-6, atol=1e-7)
+    assert ids[1].tolist() == [0, 1, 2] and ids[3, :2].tolist() == [2, 7]
+    # the counts each token's last program finds are left at zero for the next kernel
+    assert moe.arrival_counts(x.device, t)[:t].eq(0).all()
+
+
+def test_router_linear_refuses_a_mismatched_weight() -> None:
+    with pytest.raises(ValueError, match="router weight"):
+        moe.route_linear_topk(torch.zeros(2, 8), torch.zeros(4, 6), 2, True)

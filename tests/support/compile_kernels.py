@@ -129,13 +129,19 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
 
 
 def moe_cases(moe) -> list[tuple[str, Callable[[], object]]]:  # noqa: ANN001
-    """The router, and both expert shapes (per-pair GEMV, grouped GEMM) with 16-bit and FP8 weights."""
+    """The router (alone and with its linear), the grouping of pairs by expert, and both expert shapes (per-pair
+    GEMV, grouped GEMM) with 16-bit and FP8 weights."""
     out = []
     e, k, h, inter, tokens = 16, 4, 256, 96, 3
     for dtype in (*HALF_TYPES, torch.float32):
         logits = torch.zeros(tokens, e, dtype=dtype)
         out.append((f"route_topk {dtype}", lambda logits=logits: moe.route_topk(logits, k, True)))
+        x, router = torch.zeros(tokens, h, dtype=dtype), torch.zeros(e, h, dtype=dtype)
+        out.append((f"route_linear_topk {dtype}", lambda x=x, w=router: moe.route_linear_topk(x, w, k, True)))
     weights, ids = torch.ones(tokens, k), torch.zeros(tokens, k, dtype=torch.int32)
+    for pairs in (12, moe.ALIGN_MAX_PAIRS):  # the sort's smallest size and warps, and its largest
+        flat = torch.zeros(pairs, 1, dtype=torch.int32)
+        out.append((f"moe_align {pairs} pairs", lambda f=flat: moe.align_in_one_program(f, 128, 16)))
     for w_dtype in (*HALF_TYPES, FP8):
         w13, w2 = torch.zeros(e, 2 * inter, h).to(w_dtype), torch.zeros(e, h, inter).to(w_dtype)
         scales = (torch.ones(e, 2 * inter), torch.ones(e, h)) if w_dtype == FP8 else (None, None)
@@ -146,6 +152,10 @@ def moe_cases(moe) -> list[tuple[str, Callable[[], object]]]:  # noqa: ANN001
                 out.append((f"fused_moe {name} x {x_dtype} {'decode' if decode else 'grouped'}",
                             lambda x=x, w13=w13, w2=w2, s=scales, d=decode: moe.fused_moe(
                                 x, w13, w2, weights, ids, *s, decode=d)))  # fmt: skip
+            dot = moe.MoeDecodeConfig(block_n=16, block_k=64, use_dot=True, pair_split=2)  # down: k over 2
+            out.append((f"fused_moe {name} x {x_dtype} decode on tensor cores, pairs split",
+                        lambda x=x, w13=w13, w2=w2, s=scales, c=dot: moe.fused_moe(
+                            x, w13, w2, weights, ids, *s, decode=True, config=c)))  # fmt: skip
     return out
 
 

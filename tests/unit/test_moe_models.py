@@ -56,10 +56,10 @@ def test_prefill_logits_match_transformers_and_every_expert_is_used(arch: str, m
         experts = layer.mlp.experts
         forward = experts.forward
 
-        def record(x: torch.Tensor, logits: torch.Tensor, i: int = i, forward=forward,  # noqa: ANN001
-                   k: int = experts.spec.top_k) -> torch.Tensor:
-            chosen.update((i, e) for e in logits.topk(k, dim=-1).indices.unique().tolist())
-            return forward(x, logits)
+        def record(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, i: int = i,
+                   forward=forward) -> torch.Tensor:  # noqa: ANN001
+            chosen.update((i, e) for e in ids.unique().tolist())
+            return forward(x, weights, ids)
 
         experts.forward = record
     for prompt, logits in zip(prompts, prefill_logits(ours, prompts), strict=True):

@@ -92,8 +92,8 @@ class ExpertNames:
 
 
 class FusedExperts(nn.Module):
-    """E SiLU-gated MLPs; forward(x, router logits) -> the weighted sum of each token's top-k experts
-    (this rank's partial sums under tensor parallelism: the caller all-reduces)."""
+    """E SiLU-gated MLPs; forward(x, routing weights, expert ids) -> the weighted sum of each token's top-k
+    experts (this rank's partial sums under tensor parallelism: the caller all-reduces)."""
 
     def __init__(self, hidden: int, spec: MoeSpec, dtype: torch.dtype, quant: Fp8LinearMethod | None = None,
                  tp: TensorParallel = SINGLE) -> None:  # fmt: skip
@@ -176,15 +176,12 @@ class FusedExperts(nn.Module):
         del self.w13_tile_scale, self.w2_tile_scale
         self.block = None
 
-    def forward(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H] and each token's routing (weights [T, k], expert ids [T, k]) -> [T, H]."""
         moe = kernel_module("moe")
-        s = self.spec
         scales = (self.w13_scale, self.w2_scale) if self.fp8 else (None, None)
-        if use_fused(x):
-            weights, ids = moe.route_topk(logits, s.top_k, s.renormalize)
-            return moe.fused_moe(x, self.w13_weight, self.w2_weight, weights, ids, *scales)
-        weights, ids = moe.route_topk_reference(logits, s.top_k, s.renormalize)
-        return moe.fused_moe_reference(x, self.w13_weight, self.w2_weight, weights, ids, *scales)
+        run = moe.fused_moe if use_fused(x) else moe.fused_moe_reference
+        return run(x, self.w13_weight, self.w2_weight, weights, ids, *scales)
 
 
 def _checkpoint_block(quant: Fp8LinearMethod | None, tp: TensorParallel) -> tuple[int, int] | None:
@@ -229,8 +226,19 @@ class SparseMoeBlock(nn.Module):
     def takes_quantized_rows(self) -> bool:
         return False  # the router reads the normed rows in the model dtype
 
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top-k experts and weights. On CUDA the router's linear and its softmax and top-k
+        run in one launch for a decode step's few tokens (kernels/moe.py route_linear_topk), else the
+        linear then the softmax-and-top-k kernel; on the CPU the torch reference."""
+        moe, s = kernel_module("moe"), self.experts.spec
+        if not use_fused(x):
+            return moe.route_topk_reference(self.gate(x), s.top_k, s.renormalize)
+        if x.shape[0] <= moe.ROUTER_FUSED_MAX_TOKENS and self.gate.quant is None and self.gate.weight.dtype == x.dtype:
+            return moe.route_linear_topk(x, self.gate.weight, s.top_k, s.renormalize)
+        return moe.route_topk(self.gate(x), s.top_k, s.renormalize)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(self.experts(x, self.gate(x)))
+        out = self.tp.all_reduce(self.experts(x, *self.route(x)))
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

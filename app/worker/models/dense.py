@@ -88,6 +88,14 @@ class DenseDims:
         if problems:
             raise ValueError(f"--tensor-parallel-size {size} must divide {' and '.join(problems)} of this model")
 
+    def attention_spec(self, q_dtype: torch.dtype) -> AttentionSpec:
+        return AttentionSpec(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, q_dtype=q_dtype)
+
+    def kv_cache_spec(self, dtype: torch.dtype, num_layers: int | None = None) -> KVCacheSpec:
+        """The paged cache of num_layers attention layers (default: all of them)."""
+        layers = self.num_layers if num_layers is None else num_layers
+        return KVCacheSpec(layers, self.num_kv_heads, self.head_dim, dtype)
+
     def local(self, tp: TensorParallel) -> DenseDims:
         """The dimensions one TP rank holds."""
         return replace(
@@ -262,12 +270,10 @@ class DenseCausalLM(nn.Module):
 
     @property
     def attention_spec(self) -> AttentionSpec:
-        d = self.local_dims
-        return AttentionSpec(d.num_heads, d.num_kv_heads, d.head_dim, d.head_dim**-0.5, q_dtype=self.dtype)
+        return self.local_dims.attention_spec(self.dtype)
 
     def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
-        d = self.local_dims
-        return KVCacheSpec(d.num_layers, d.num_kv_heads, d.head_dim, dtype)
+        return self.local_dims.kv_cache_spec(dtype)
 
     def forward(
         self,

@@ -146,12 +146,10 @@ class Eagle3Head(nn.Module):
 
     @property
     def attention_spec(self) -> AttentionSpec:
-        d = self.dims
-        return AttentionSpec(d.num_heads, d.num_kv_heads, d.head_dim, d.head_dim**-0.5, q_dtype=self.dtype)
+        return self.dims.attention_spec(self.dtype)
 
     def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
-        d = self.dims
-        return KVCacheSpec(1, d.num_kv_heads, d.head_dim, dtype)
+        return self.dims.kv_cache_spec(dtype, num_layers=1)  # its one decoder layer
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, attn: AttentionMetadata

@@ -12,8 +12,8 @@ served); transformers' decode rate is (N - 1) / (time of generate(N) - time of g
   python scripts/gpu/bench_moe.py --model configs/models/qwen3-30b-a3b --json $OUT/moe.json
   (on the CPU, for a smoke test: --device cpu --dtype float32 with a tiny MoE model directory)
 
---tune instead times the expert kernels alone (each of the two projections, CUDA-graph-free, with
-triton.testing.do_bench) on the layer shapes of Qwen3-30B-A3B and Mixtral, 16-bit and FP8 experts, at every
+--tune instead times the expert kernels alone (each of the two projections; in a CUDA graph, as a step
+runs them, over rotated routings that keep the chosen experts out of the L2) on the layer shapes of Qwen3-30B-A3B and Mixtral, 16-bit and FP8 experts, at every
 token bucket of kernels/moe.py (1 to 64 tokens: the decode GEMVs and the grouped GEMMs, and the whole call
 both ways for the choice of shape; 128 to 4096: the grouped GEMMs), over a pruned grid of tiles, and writes
 the fastest per (path, experts, N, K, weight kind, bucket) as the JSON kernels/moe_configs.json keeps:
@@ -127,6 +127,10 @@ def transformers_decode(args: argparse.Namespace) -> dict[str, Any]:
 # long the whole sweep may take before the rest is skipped (recorded in the JSON's "skipped").
 TUNE_MODELS = ("configs/models/qwen3-30b-a3b", "configs/models/mixtral-8x7b")
 TUNE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+# Routings a timed graph rotates over while a call's experts could fit in the 50 MB L2 (up to 64 tokens);
+# past that every call reads most experts anyway, and two keep the graph short.
+ROTATIONS, ROTATIONS_PREFILL = 16, 2
+ROTATE_BYTES = 128 << 20  # the router's weight copies: more than the L2 holds
 GEMV_TILES = [(n, k, False) for n in (2, 4, 8, 16) for k in (128, 256, 512, 1024)] + \
     [(n, k, True) for n in (16, 32, 64) for k in (64, 128, 256)]  # FMA, then tensor-core tiles  # fmt: skip
 GEMV_LAUNCH = [(w, s) for w in (2, 4, 8) for s in (1, 2, 3, 4)]
@@ -149,9 +153,12 @@ class TuneShape:
 class Tuner:
     """Times each expert kernel alone per tile configuration (a coordinate search: the tile at 4 warps and
     3 stages, then the launch shape around the best tile), and the whole MoE call in both shapes for the
-    decode-or-grouped choice. On CUDA: triton.testing.do_bench's median (the L2 flushed before each run:
-    a served step finds no expert in the L2); on the CPU (--smoke, under TRITON_INTERPRET=1) the median of
-    a few wall-clock runs."""
+    decode-or-grouped choice. On CUDA a run is a CUDA graph of `copies` calls back to back, each on its
+    own routing (or router weight), so that no call finds the experts its predecessor read in the L2, as
+    in a served step where every layer has its own; the figure is the replay's median over the calls.
+    Timed one launch at a time instead (triton's do_bench), a 10 us kernel measured 17-40 us of host
+    launch latency and the choices followed the noise. On the CPU (--smoke, under TRITON_INTERPRET=1)
+    one wall-clock run checks the plumbing."""
 
     def __init__(self, device: torch.device, budget_s: float, smoke: bool) -> None:
         self.device, self.smoke = device, smoke
@@ -164,27 +171,35 @@ class Tuner:
     def over(self) -> bool:
         return time.monotonic() > self.deadline
 
-    def time_us(self, fn: Any) -> float:
-        if self.device.type == "cuda":
-            import triton.testing
-
-            return 1e3 * triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
-        fn()  # the interpreter's timing says nothing: one run checks the plumbing
-        t0 = time.perf_counter()
-        fn()
-        return 1e6 * (time.perf_counter() - t0)
+    def time_us(self, fn: Any, calls: int) -> float:
+        """us per call of fn(i), i in range(calls): the inputs it rotates over."""
+        if self.device.type != "cuda":
+            fn(0)  # the interpreter's timing says nothing: one run checks the plumbing
+            t0 = time.perf_counter()
+            fn(0)
+            return 1e6 * (time.perf_counter() - t0)
+        for i in range(calls):  # compile and warm outside the graph
+            fn(i)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(calls):
+                fn(i)
+        us = 1e3 * bench_latency.median_cuda_ms(graph.replay, 10) / calls
+        del graph
+        return us
 
     def search(self, run: Any, make: Any, tiles: list[tuple[int, int]], launches: list[tuple[int, int]],
-               default: Any, extra: Any = None) -> tuple[Any, float, float]:  # fmt: skip
-        """(best config, its us, the default's us) of run(config) over make(tile, launch) configs, then
-        over extra(best) (variants of the best one) if given."""
+               calls: int, default: Any, extra: Any = None) -> tuple[Any, float, float]:  # fmt: skip
+        """(best config, its us, the default's us) of run(config, i) over make(tile, launch) configs, then
+        over extra(best) (variants of the best one) if given; i: the rotated input (time_us's calls)."""
         times: dict[Any, float] = {}
 
         def measure(cfg: Any) -> None:
             if cfg in times:
                 return
             try:
-                times[cfg] = self.time_us(lambda: run(cfg))
+                times[cfg] = self.time_us(lambda i: run(cfg, i), calls)
             except Exception as exc:  # a tile that does not fit (shared memory, registers)
                 print(f"  skip {cfg}: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
 
@@ -259,8 +274,12 @@ def tune_case(tuner: Tuner, case: TuneCase, tokens: int, decode_max: int) -> Non
     e, k = shape.experts, shape.top_k
     g = torch.Generator(device=dev).manual_seed(tokens)
     x = torch.randn(tokens, shape.hidden, device=dev, generator=g).to(tuner.act)
-    route, ids = moe.route_topk(torch.randn(tokens, e, device=dev, generator=g), k, shape.renormalize)
-    flat, route = ids.reshape(-1).contiguous(), route.reshape(-1).contiguous()
+    rotations = 1 if tuner.smoke else ROTATIONS if tokens <= 64 else ROTATIONS_PREFILL
+    routings = [moe.route_topk(torch.randn(tokens, e, device=dev, generator=g), k, shape.renormalize)
+                for _ in range(rotations)]  # fmt: skip
+    ids = [i for _, i in routings]
+    flat = [i.reshape(-1).contiguous() for i in ids]
+    route = [r.reshape(-1).contiguous() for r, _ in routings]
     if tokens <= moe.ROUTER_FUSED_MAX_TOKENS and case.label != "fp8":  # the router stays 16-bit
         tune_router(tuner, case, tokens, x)
     gemv = tune_gemv(tuner, case, tokens, x, flat, route) if tokens <= decode_max else None
@@ -269,8 +288,8 @@ def tune_case(tuner: Tuner, case: TuneCase, tokens: int, decode_max: int) -> Non
         return
 
     def call(decode: bool, cfgs: Any) -> float:
-        return tuner.time_us(lambda: moe.fused_moe(x, case.w13, case.w2, route.view(tokens, k), ids, case.s13,
-                                                   case.s2, decode=decode, config=cfgs))  # fmt: skip
+        return tuner.time_us(lambda i: moe.fused_moe(x, case.w13, case.w2, route[i].view(tokens, k), ids[i],
+                                                     case.s13, case.s2, decode=decode, config=cfgs), rotations)  # fmt: skip
 
     gemv_us, grouped_us = call(True, gemv), call(False, grouped)
     tuner.choices.append({"model": shape.name, "experts": e, "top_k": k, "hidden": shape.hidden,
@@ -327,40 +346,46 @@ def tune_router(tuner: Tuner, case: TuneCase, tokens: int, x: torch.Tensor) -> N
 
     shape = case.shape
     w = (torch.randn(shape.experts, shape.hidden, device=tuner.device) * shape.hidden**-0.5).to(x.dtype)
+    # one copy a call, as many as fill the L2 twice over: each layer has its own router
+    calls = 1 if tuner.smoke else min(256, -(-ROTATE_BYTES // (w.numel() * w.element_size())))
+    ws = [w] + [w.clone() for _ in range(calls - 1)]
     tiles, launches, default, make = router_grid(tuner.smoke)
 
-    def run(cfg: Any) -> Any:
-        return moe.route_linear_topk(x, w, shape.top_k, shape.renormalize, cfg)
+    def run(cfg: Any, i: int) -> Any:
+        return moe.route_linear_topk(x, ws[i], shape.top_k, shape.renormalize, cfg)
 
-    best = tuner.search(run, make, tiles, launches, default)
+    best = tuner.search(run, make, tiles, launches, calls, default)
     tuner.record("router", shape, shape.experts, shape.hidden, case.label, tokens, *best)
-    unfused = tuner.time_us(lambda: moe.route_topk(torch.nn.functional.linear(x, w), shape.top_k, shape.renormalize))
+    unfused = tuner.time_us(lambda i: moe.route_topk(torch.nn.functional.linear(x, ws[i]), shape.top_k,
+                                                     shape.renormalize), calls)  # fmt: skip
     tuner.configs[-1]["unfused_us"] = round(unfused, 2)
     print(f"{shape.name:>14} router tokens {tokens:>5}: linear then route_topk {unfused:9.1f} us", flush=True)
 
 
-def tune_gemv(tuner: Tuner, case: TuneCase, tokens: int, x: torch.Tensor, flat: torch.Tensor,
-              route: torch.Tensor) -> tuple[Any, Any]:  # fmt: skip
-    """The decode shape's two kernels: gate/up per pair, then down with the top-k sum."""
+def tune_gemv(tuner: Tuner, case: TuneCase, tokens: int, x: torch.Tensor, flat: list[torch.Tensor],
+              route: list[torch.Tensor]) -> tuple[Any, Any]:  # fmt: skip
+    """The decode shape's two kernels: gate/up per pair, then down with the top-k sum (flat and route: the
+    routings the calls rotate over)."""
     from tokenspeed_kernels import moe
 
     shape, label, w13, w2, s13, s2 = case.shape, case.label, case.w13, case.w2, case.s13, case.s2
     k = shape.top_k
     tiles, launches, default, make = gemv_grid(tuner.smoke)
-    mid = moe.expert_gemv_up(x, w13, s13, flat, k, default)
-    up = tuner.search(lambda c: moe.expert_gemv_up(x, w13, s13, flat, k, c), make, tiles, launches, default)
+    mid = moe.expert_gemv_up(x, w13, s13, flat[0], k, default)
+    up = tuner.search(lambda c, i: moe.expert_gemv_up(x, w13, s13, flat[i], k, c), make, tiles, launches,
+                      len(flat), default)  # fmt: skip
     tuner.record("gemv", shape, w13.shape[1], w13.shape[2], label, tokens, *up)
     def split(best: Any) -> list[Any]:  # the down kernel's pairs spread over 2 to k programs
         return [replace(best, pair_split=n) for n in range(2, k + 1) if k % n == 0 and n & (n - 1) == 0]
 
-    down = tuner.search(lambda c: moe.expert_gemv_down(mid, w2, s2, route, flat, k, c), make, tiles, launches,
-                        default, split)  # fmt: skip
+    down = tuner.search(lambda c, i: moe.expert_gemv_down(mid, w2, s2, route[i], flat[i], k, c), make, tiles,
+                        launches, len(flat), default, split)  # fmt: skip
     tuner.record("gemv", shape, w2.shape[1], w2.shape[2], label, tokens, *down)
     return up[0], down[0]
 
 
-def tune_grouped(tuner: Tuner, case: TuneCase, tokens: int, x: torch.Tensor, flat: torch.Tensor,
-                 route: torch.Tensor) -> tuple[Any, Any]:  # fmt: skip
+def tune_grouped(tuner: Tuner, case: TuneCase, tokens: int, x: torch.Tensor, flat: list[torch.Tensor],
+                 route: list[torch.Tensor]) -> tuple[Any, Any]:  # fmt: skip
     """The grouped GEMMs (gate/up, then down), each over the pairs grouped with its own block_m: the row
     tiles tried are those near the pairs an expert gets on average."""
     from tokenspeed_kernels import moe
@@ -368,16 +393,20 @@ def tune_grouped(tuner: Tuner, case: TuneCase, tokens: int, x: torch.Tensor, fla
     shape, label, w13, w2, s13, s2 = case.shape, case.label, case.w13, case.w2, case.s13, case.s2
     e, k = shape.experts, shape.top_k
     tiles, launches, default, make = grouped_grid(tuner.smoke, shape, tokens)
-    grouped = {m: moe.moe_align(flat, e, m) for m in {*(t[0] for t in tiles), default.block_m}}
-    mid = moe.expert_gemm(x, w13, s13, route, *grouped[default.block_m], k, True, default)
+    grouped: dict[tuple[int, int], Any] = {}  # (routing, block_m) -> the pairs sorted and padded
+
+    def aligned(i: int, block_m: int) -> Any:
+        if (i, block_m) not in grouped:
+            grouped[i, block_m] = moe.moe_align(flat[i], e, block_m)
+        return grouped[i, block_m]
+
+    mid = moe.expert_gemm(x, w13, s13, route[0], *aligned(0, default.block_m), k, True, default)
 
     def gemm(a: torch.Tensor, w: torch.Tensor, s: Any, a_div: int, gated: bool) -> Any:
-        def run(cfg: Any) -> Any:
-            if cfg.block_m not in grouped:
-                grouped[cfg.block_m] = moe.moe_align(flat, e, cfg.block_m)
-            return moe.expert_gemm(a, w, s, route, *grouped[cfg.block_m], a_div, gated, cfg)
+        def run(cfg: Any, i: int) -> Any:
+            return moe.expert_gemm(a, w, s, route[i], *aligned(i, cfg.block_m), a_div, gated, cfg)
 
-        best = tuner.search(run, make, tiles, launches, default)
+        best = tuner.search(run, make, tiles, launches, len(flat), default)
         tuner.record("grouped", shape, w.shape[1], w.shape[2], label, tokens, *best)
         return best[0]
 
@@ -488,9 +517,12 @@ def tune(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.monotonic()
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter smoke run)"
 
+    kept = kept_rows({shape.name for shape in shapes}) if not args.smoke else {"configs": [], "choices": []}
+
     def table() -> dict[str, Any]:
         return {"source": f"python scripts/gpu/bench_moe.py --tune on {device_name}, {time.monotonic() - t0:.0f} s",
-                "configs": tuner.configs, "choices": tuner.choices, "skipped": tuner.skipped}  # fmt: skip
+                "configs": tuner.configs + kept["configs"], "choices": tuner.choices + kept["choices"],
+                "skipped": tuner.skipped}  # fmt: skip
 
     kinds = args.tune_weights.split(",")
     if not args.smoke and args.tune_jobs > 1:
@@ -505,6 +537,13 @@ def tune(args: argparse.Namespace) -> dict[str, Any]:
         if args.json:  # what is measured so far, should the run be cut short
             write_json(args.json, table())
     return table()
+
+
+def kept_rows(tuned: set[str]) -> dict[str, list]:
+    """The kept table's rows of the models this run does not tune (--tune-models a subset): they stay."""
+    path = Path(__file__).resolve().parents[2] / "kernels" / "moe_configs.json"
+    old = json.loads(path.read_text()) if path.exists() else {}
+    return {key: [row for row in old.get(key, []) if row["model"] not in tuned] for key in ("configs", "choices")}
 
 
 def write_json(path: str, data: dict[str, Any]) -> None:

@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
-"""Decode-sized linears of the Llama-3.1-8B shape: kernels/gemv.py's configurations swept per shape,
+"""Decode-sized linears of a model's shapes (--shapes: Llama-3.1-8B's by default, or Qwen3-30B-A3B's
+attention and LM head): kernels/gemv.py's configurations swept per shape,
 against torch's bf16 linear (cuBLAS) on the same shape, side by side. Weights are rotated
 through enough copies to defeat the 50 MB L2 (as in a model step, where every layer reads its own);
 each figure is the median of 10 CUDA-graph replays (launch overhead amortised). Bandwidth counts the
 weight bytes. Prints the fastest configuration per (weight dtype, rows, shape) as a `_MEASURED` table
-for kernels/gemv.py, and the sum over one decode step's 128 GEMVs.
+for kernels/gemv.py, and the sum over one decode step's GEMVs.
 
-  python scripts/gpu/bench_gemv.py [--json OUT] [--budget-s 240]
+  python scripts/gpu/bench_gemv.py [--json OUT] [--budget-s 240] [--shapes qwen3-30b-a3b]
 """
 
 from __future__ import annotations
@@ -32,7 +33,13 @@ from tokenspeed_kernels.gemv import (  # noqa: E402
 from app.bench.latency import median_cuda_ms  # noqa: E402
 from app.worker.quantization.fp8 import Fp8Rows, quantize_rows  # noqa: E402
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+# (N, K) of each linear, and the decoder layers a step runs them in. The MoE model's experts run
+# kernels/moe.py; its attention projections and LM head are plain linears.
+SHAPE_SETS = {
+    "llama-3.1-8b": ({"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}, 32),
+    "qwen3-30b-a3b": ({"qkv": (5120, 2048), "o": (2048, 4096), "lm_head": (151936, 2048)}, 48),
+}
+SHAPES, LAYERS = SHAPE_SETS["llama-3.1-8b"]
 ROTATE_BYTES = 256 << 20
 FMA_TILES = {1: [(2, 2048), (4, 1024), (8, 512), (8, 1024), (16, 512)],
              4: [(1, 1024), (2, 512), (4, 256), (4, 512), (8, 256)]}
@@ -188,7 +195,10 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=240.0, help="stop sweeping after this long")
     parser.add_argument("--rows", default="1,4,8,16")
     parser.add_argument("--weights", default="bf16,fp8", help="of bf16, fp8 (W8A16), w8a8")
+    parser.add_argument("--shapes", default="llama-3.1-8b", choices=sorted(SHAPE_SETS))
     args = parser.parse_args()
+    global SHAPES, LAYERS
+    SHAPES, LAYERS = SHAPE_SETS[args.shapes]
     t0 = time.monotonic()
     rows = []
     ms = [int(v) for v in args.rows.split(",")]
@@ -230,12 +240,13 @@ def print_table(rows: list[dict], ms: list[int]) -> None:
         for m in ms:
             sel = [r for r in rows if r["weights"] == weights and r["m"] == m and "best_ms" in r]
             if len(sel) == len(SHAPES):
-                best = 32 * sum(r["best_ms"] for r in sel)
-                base = 32 * sum(cublas.get((r["layer"], m), nan) for r in sel)
+                best = sum(r["best_ms"] * (1 if r["layer"] == "lm_head" else LAYERS) for r in sel)
+                base = sum(cublas.get((r["layer"], m), nan) * (1 if r["layer"] == "lm_head" else LAYERS)
+                           for r in sel)
                 extra = ""
                 if weights == "w8a8":
-                    extra = f"; W8A16 GEMV {32 * sum(r['w8a16_ms'] for r in sel):.3f} ms"
-                print(f"step GEMVs ({weights} weights, m={m}, 32 layers, no lm_head): best {best:.3f} ms vs "
+                    extra = f"; W8A16 GEMV {LAYERS * sum(r['w8a16_ms'] for r in sel):.3f} ms"
+                print(f"step GEMVs ({weights} weights, m={m}, {LAYERS} layers): best {best:.3f} ms vs "
                       f"cuBLAS bf16 {base:.3f} ms{extra}")
 
 

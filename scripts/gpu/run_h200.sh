@@ -44,7 +44,8 @@
 #   profile_prefill profile_b1_bf16 profile_b1_fp8 profile_b4
 #                            torch.profiler over a window of steps in process: each kernel's GPU time and the
 #                            GPU's busy share (a prefill; batch 1 bf16 and FP8 with PDL off; batch 4): ~40 s each
-#   gemv                     decode-sized GEMVs (kernels/gemv.py) swept per 8B shape and row count (GEMV_ROWS),
+#   gemv                     decode-sized GEMVs (kernels/gemv.py) swept per shape of GEMV_SHAPES (llama-3.1-8b,
+#                            or qwen3-30b-a3b: the MoE's attention and LM head) and row count (GEMV_ROWS),
 #                            GEMV_WEIGHTS of bf16, fp8 (W8A16), w8a8, against cuBLAS: GEMV_BUDGET (200) s + ~40 s
 #   gemv_chain               the W8A8 GEMV's configurations at one row after their producer kernels under PDL in
 #                            a graph (bench_gemv_chain.py): ~30 s
@@ -63,14 +64,16 @@
 #                            all-reduce for small tensors, and at TP=2 with NCCL only: ~150 s
 #   serving_dp               two GPUs: the appliance at 1 replica, then --data-parallel-size 2: ~300 s
 #   moe_tune                 bench_moe.py --tune on the Qwen3-30B-A3B and Mixtral expert shapes, bf16 and FP8, 1 to
-#                            4096 tokens, for MOE_TUNE_BUDGET (280) s, the largest token counts skipped past it
-#                            (150 s reached 1 and 2 tokens); its run takes the budget + ~30 s
+#                            4096 tokens, for MOE_TUNE_BUDGET (280) s, the largest token counts skipped past it;
+#                            MOE_TUNE_ARGS="--tune-models configs/models/qwen3-30b-a3b" tunes one model (330 s
+#                            covered its every bucket; the other's rows are kept); the run takes the budget + ~30 s
 #   moe_decode               bench_moe.py: Qwen3-30B-A3B batch 1, bf16 then FP8 weights, the active-weight roofline,
 #                            transformers' generate: ~70 s
 #   moe_tests                tests/gpu/test_moe_gpu.py: ~60 s
 #   moe_profile              torch.profiler over 20 batch-1 decode steps of Qwen3-30B-A3B, PDL off: ~40 s
 #   moe_offline_1000         1000 requests of 1000 in / 1000 out on Qwen3-30B-A3B, bf16, triton attention, MOE_SEQS
 #                            (256) running; MOE_REQUESTS fewer requests for a shorter run
+#   moe_offline_1000_fp8kv   the same with an FP8 KV cache and MOE_FP8KV_SEQS (512) running
 # A stage that cannot finish before DEADLINE is skipped rather than cut (offline_1000*), so give each
 # 1000-request stage a device call of its own unless the estimates above add up.
 set -uo pipefail
@@ -95,7 +98,7 @@ for name in ${*:-gpu_tests}; do stages=$(suite "$name"); STAGES="$STAGES ${stage
 KNOWN=" roofline cold_start latency_triton latency_flashinfer latency_b4 latency_b32 latency_fp8 latency_fp8_triton kv_pool idle \
 offline offline_1000 offline_1000_fp8kv serving hf profile_prefill profile_b1_fp8 profile_b1_bf16 profile_b4 gemv gemv_chain \
 attn attn_sweep elementwise tests tests_flashinfer tests_8b tests_decode tests_fp8w pytest tests_tp latency_tp serving_dp \
-moe_tune moe_decode moe_tests moe_profile moe_offline_1000 "
+moe_tune moe_decode moe_tests moe_profile moe_offline_1000 moe_offline_1000_fp8kv "
 SERVING_MORE="stagger:4:0.5:32:128 b1:1:0:3:256"  # the serving stages' benchmarks after the first (serve_and_bench.sh)
 for s in $STAGES; do  # every name checked before anything runs
   [[ $KNOWN == *" $s "* ]] || { echo "unknown stage $s; suites: gpu_tests figures_latency figures_offline figures_serving figures_tp figures_moe; stages:$KNOWN"; exit 2; }
@@ -217,7 +220,7 @@ for s in $STAGES; do
     # flashinfer). moe_tune's table is copied into kernels/ (and $OUT) so that the stages after it run
     # the tuned tiles.
     moe_tune) stage moe_tune $((MOE_TUNE_BUDGET + 90)) python3 scripts/gpu/bench_moe.py --tune \
-        --tune-budget "$MOE_TUNE_BUDGET" --json "$RUN/moe_tune.json"
+        --tune-budget "$MOE_TUNE_BUDGET" --json "$RUN/moe_tune.json" ${MOE_TUNE_ARGS:-}
       [ -s "$RUN/moe_tune.json" ] && cp "$RUN/moe_tune.json" kernels/moe_configs.json && cp "$RUN/moe_tune.json" "$OUT/moe_configs.json" ;;
     moe_decode) stage moe_decode 240 python3 scripts/gpu/bench_moe.py --model configs/models/qwen3-30b-a3b \
         --attention-backend triton --hf-output-len 16 --json "$RUN/moe_decode.json" ;;
@@ -232,6 +235,12 @@ for s in $STAGES; do
         --model configs/models/qwen3-30b-a3b --load-format dummy --dtype bfloat16 --attention-backend triton \
         --num-requests "${MOE_REQUESTS:-1000}" --input-len 1000 --output-len 1000 --max-num-seqs "${MOE_SEQS:-256}" \
         --chunked-prefill-size 8192 --json "$RUN/moe_offline_1000.json" ;;
+    # The same with an FP8 KV cache (48 KiB a token): 512 requests at their full 2000 tokens fit.
+    moe_offline_1000_fp8kv) fits moe_offline_1000_fp8kv 200 && stage moe_offline_1000_fp8kv 420 python3 -m app.bench.offline \
+        --model configs/models/qwen3-30b-a3b --load-format dummy --dtype bfloat16 --attention-backend triton \
+        --num-requests "${MOE_REQUESTS:-1000}" --input-len 1000 --output-len 1000 --max-num-seqs "${MOE_FP8KV_SEQS:-512}" \
+        --max-cudagraph-capture-size "${MOE_FP8KV_SEQS:-512}" --kv-cache-dtype fp8_e4m3 --chunked-prefill-size 16384 \
+        --json "$RUN/moe_offline_1000_fp8kv.json" ;;
     offline_1000_fp8kv) fits offline_1000_fp8kv 250 && run_offline_1000 offline_1000_fp8kv "${FP8KV_SEQS:-512}" 330 \
       "${FP8KV_CHUNK:-16384}" --quantization fp8 --kv-cache-dtype fp8_e4m3 --max-cudagraph-capture-size "${FP8KV_SEQS:-512}" ;;
     hf) stage hf_b1 120 python3 scripts/gpu/hf_reference.py --model $MODEL --batch-size 1 --output-len 64 --json "$RUN/hf_b1.json" ;;
@@ -248,7 +257,7 @@ for s in $STAGES; do
       --triton-configs "${ATTN_CONFIGS:-64:4:3,64:4:2,64:8:3,128:8:2,32:4:3}" \
       --sweep-cases "${ATTN_CASES:-384x1500,64x1500}" ;;
     gemv) stage gemv $((${GEMV_BUDGET:-200} + 60)) python3 scripts/gpu/bench_gemv.py --budget-s "${GEMV_BUDGET:-200}" \
-      --weights "${GEMV_WEIGHTS:-bf16,fp8}" --rows "${GEMV_ROWS:-1,4,8,16}" \
+      --weights "${GEMV_WEIGHTS:-bf16,fp8}" --rows "${GEMV_ROWS:-1,4,8,16}" --shapes "${GEMV_SHAPES:-llama-3.1-8b}" \
       --json "$RUN/gemv.json" ;;
     gemv_chain) stage gemv_chain 300 python3 scripts/gpu/bench_gemv_chain.py --json "$RUN/gemv_chain.json" ;;
     elementwise) stage elementwise 150 python3 scripts/gpu/bench_elementwise.py --json "$RUN/elementwise.json" \

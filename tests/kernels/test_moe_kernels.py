@@ -47,6 +47,18 @@ def test_router_matches_reference_with_ties(renormalize: bool) -> None:
     assert ids[0].tolist() == top.indices.tolist()
 
 
+@pytest.mark.parametrize("experts", [128, 300])  # every rank at once; k rounds (over RANK_MAX_EXPERTS)
+def test_router_top_k_of_many_experts_with_ties(experts: int) -> None:
+    g = torch.Generator().manual_seed(experts)
+    logits = torch.randn(4, experts, generator=g)
+    logits[0, ::7] = 4.0  # ties at the top, more of them than k
+    logits[3] = -1.0
+    weights, ids = route_topk(logits, 8, renormalize=True)
+    ref_w, ref_ids = route_topk_reference(logits, 8, renormalize=True)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_w, rtol=1e-6, atol=1e-7)
+
+
 def test_router_names_real_experts_for_a_nan_row() -> None:
     logits = torch.randn(3, 6, generator=torch.Generator().manual_seed(1))
     logits[1, 2] = float("nan")

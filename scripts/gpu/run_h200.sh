@@ -73,7 +73,8 @@
 #   moe_profile              torch.profiler over 20 batch-1 decode steps of Qwen3-30B-A3B, PDL off: ~40 s
 #   moe_offline_1000         1000 requests of 1000 in / 1000 out on Qwen3-30B-A3B, bf16, triton attention, MOE_SEQS
 #                            (256) running; MOE_REQUESTS fewer requests for a shorter run
-#   moe_offline_1000_fp8kv   the same with an FP8 KV cache and MOE_FP8KV_SEQS (512) running
+#   moe_offline_1000_fp8kv   the same with an FP8 KV cache and MOE_FP8KV_SEQS (512) running; MOE_PROFILE_STEPS
+#                            (e.g. 1500:12) profiles a window of either run's steps
 # A stage that cannot finish before DEADLINE is skipped rather than cut (offline_1000*), so give each
 # 1000-request stage a device call of its own unless the estimates above add up.
 set -uo pipefail
@@ -234,13 +235,13 @@ for s in $STAGES; do
     moe_offline_1000) fits moe_offline_1000 200 && stage moe_offline_1000 420 python3 -m app.bench.offline \
         --model configs/models/qwen3-30b-a3b --load-format dummy --dtype bfloat16 --attention-backend triton \
         --num-requests "${MOE_REQUESTS:-1000}" --input-len 1000 --output-len 1000 --max-num-seqs "${MOE_SEQS:-256}" \
-        --chunked-prefill-size 8192 --json "$RUN/moe_offline_1000.json" ;;
+        --chunked-prefill-size 8192 --json "$RUN/moe_offline_1000.json" ${MOE_PROFILE_STEPS:+--profile-steps "$MOE_PROFILE_STEPS"} ;;
     # The same with an FP8 KV cache (48 KiB a token): 512 requests at their full 2000 tokens fit.
     moe_offline_1000_fp8kv) fits moe_offline_1000_fp8kv 200 && stage moe_offline_1000_fp8kv 420 python3 -m app.bench.offline \
         --model configs/models/qwen3-30b-a3b --load-format dummy --dtype bfloat16 --attention-backend triton \
         --num-requests "${MOE_REQUESTS:-1000}" --input-len 1000 --output-len 1000 --max-num-seqs "${MOE_FP8KV_SEQS:-512}" \
         --max-cudagraph-capture-size "${MOE_FP8KV_SEQS:-512}" --kv-cache-dtype fp8_e4m3 --chunked-prefill-size 16384 \
-        --json "$RUN/moe_offline_1000_fp8kv.json" ;;
+        --json "$RUN/moe_offline_1000_fp8kv.json" ${MOE_PROFILE_STEPS:+--profile-steps "$MOE_PROFILE_STEPS"} ;;
     offline_1000_fp8kv) fits offline_1000_fp8kv 250 && run_offline_1000 offline_1000_fp8kv "${FP8KV_SEQS:-512}" 330 \
       "${FP8KV_CHUNK:-16384}" --quantization fp8 --kv-cache-dtype fp8_e4m3 --max-cudagraph-capture-size "${FP8KV_SEQS:-512}" ;;
     hf) stage hf_b1 120 python3 scripts/gpu/hf_reference.py --model $MODEL --batch-size 1 --output-len 64 --json "$RUN/hf_b1.json" ;;

@@ -5,6 +5,7 @@ packed again around weight updates."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,15 +14,18 @@ import torch
 from safetensors.torch import save
 
 from app import protocol as p
+from app.protocol import NewSeq, SamplingParams, SeqChunk, StepPlan
 from app.worker.layers import SHARD_ROWS, LMHead, VocabEmbedding, cpu_weights
 from app.worker.layers.cpu_weights import packs, plain_weights, use_cpu_weight_layout
 from app.worker.layers.linear import GateUpLinear, Linear
 from app.worker.loader import load_hf_config, load_weights
 from app.worker.loader.updates import UpdateError, WeightControl
 from app.worker.loader.weights import load_tensors
+from app.worker.model_runner import ModelRunner
 from app.worker.models import model_class_for
 from app.worker.parallel import SINGLE
 from tests.support.model_factory import build_tiny_model
+from tests.support.settings import CPU_RUNNER, make_settings
 
 native_bf16 = pytest.mark.skipif(not packs(torch.bfloat16), reason="this CPU has no native bf16 matmuls")
 
@@ -197,3 +201,31 @@ def test_weight_updates_repack(tiny_bf16: Path) -> None:
     with pytest.raises(UpdateError):
         WeightControl(runner).handle(p.UpdateWeightsFromTensor(save({"model.norm.weight": torch.ones(7)})))
     assert layers.mlp.down_proj.weight.is_mkldnn and torch.equal(layers.mlp.down_proj.weight.to_dense(), before)
+
+
+def greedy(runner: ModelRunner, prompt: list[int], new_tokens: int, step: int) -> list[int]:
+    """One sequence in slot 0: its prefill, then decodes; the slot is freed after."""
+    blocks = list(range(math.ceil((len(prompt) + new_tokens) / runner.block_size)))
+    seq = NewSeq(slot=0, rid="r", sampling=SamplingParams(temperature=0.0), num_prompt_tokens=len(prompt),
+                 block_ids=blocks)
+    result = runner.execute(StepPlan(step, new_seqs=[seq], chunks=[SeqChunk(slot=0, token_ids=prompt)]))
+    tokens = list(result.token_ids)
+    for i in range(new_tokens - 1):
+        tokens += runner.execute(StepPlan(step + 1 + i, chunks=[SeqChunk(slot=0)])).token_ids
+    runner.execute(StepPlan(step + new_tokens, free_slots=[0]))
+    return tokens
+
+
+@native_bf16
+def test_a_bf16_runner_packs_and_decodes_as_unpacked(tiny_bf16: Path) -> None:
+    """The runner packs its bf16 linears and tied head, and greedy decoding gives the tokens the plain
+    F.linear weights give."""
+    runner = ModelRunner(make_settings(tiny_bf16, CPU_RUNNER, dtype="bfloat16"), torch.device("cpu"))
+    layer = runner.model.model.layers[0]
+    assert layer.mlp.gate_up_proj.weight.is_mkldnn and runner.model.lm_head.packed is not None
+    prompt = torch.randint(3, runner.vocab_size, (21,), generator=torch.Generator().manual_seed(7)).tolist()
+    packed = greedy(runner, prompt, 12, step=1)
+    with plain_weights(runner.model):
+        assert not layer.mlp.gate_up_proj.weight.is_mkldnn and runner.model.lm_head.packed is None
+        plain = greedy(runner, prompt, 12, step=100)
+    assert len(packed) == 12 and packed == plain

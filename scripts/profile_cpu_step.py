@@ -7,6 +7,10 @@ and, with --profile, prints torch.profiler's table of one window grouped by op, 
 step in model layers, attention, the LM head and sampling.
 
   python scripts/profile_cpu_step.py --batch 1 8 --dtype float32 bfloat16 --threads 1 2
+
+--ab-plain R alternates, R rounds per batch, the weights' run-time form (app/worker/layers/cpu_weights.py)
+with the plain form before it (every linear the transpose of a contiguous [in, out], the LM head a plain
+mm), in one process: the ratio is what packing gains on a machine others share.
 """
 
 from __future__ import annotations
@@ -82,6 +86,28 @@ def time_steps(driver: Driver, steps: int) -> list[float]:
     return times
 
 
+def ab_plain(driver: Driver, steps: int, rounds: int) -> dict[str, float]:
+    """Step p50 (ms) with the model's weights as loaded ('packed') and in the plain layout, alternated."""
+    from contextlib import ExitStack
+
+    from app.worker.layers.cpu_weights import plain_weights
+    from app.worker.layers.linear import Linear
+
+    model = driver.runner.model
+    times: dict[str, list[float]] = {"packed": [], "plain": []}
+    for _ in range(rounds):
+        times["packed"] += time_steps(driver, steps)
+        with ExitStack() as stack:
+            stack.enter_context(plain_weights(model))
+            for module in model.modules():
+                if isinstance(module, Linear) and module.quant is None:
+                    module.weight.data = module.weight.data.t().contiguous().t()
+            time_steps(driver, 2)
+            times["plain"] += time_steps(driver, steps)
+        time_steps(driver, 2)
+    return {f"{name}_ms_p50": statistics.median(t) * 1e3 for name, t in times.items()}
+
+
 def profile(driver: Driver, steps: int) -> str:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -102,6 +128,8 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--ab-plain", type=int, default=0, metavar="ROUNDS",
+                        help="alternate the packed weights with the plain layout, ROUNDS rounds of --steps")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     results = []
@@ -115,6 +143,11 @@ def main() -> int:
                 times = time_steps(driver, args.steps)
                 row = {"dtype": dtype, "batch": batch, "threads": threads,
                        "step_ms_p50": statistics.median(times) * 1e3, "step_ms_min": min(times) * 1e3}
+                results.append(row)
+                print(json.dumps(row), flush=True)
+            if args.ab_plain:
+                row = {"dtype": dtype, "batch": batch, "threads": torch.get_num_threads(),
+                       **ab_plain(driver, args.steps, args.ab_plain)}
                 results.append(row)
                 print(json.dumps(row), flush=True)
             if args.profile:

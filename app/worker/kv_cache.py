@@ -52,6 +52,7 @@ class KVCache:
         self.spec = spec
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.device = torch.device(device)
         shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
         # Zeroed, not empty: masked-out slots still enter the attention matmuls, and 0 * NaN garbage
         # would poison the output.

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from app.config.settings import Settings
-from app.worker.layers.linear import use_cpu_weight_layout
+from app.worker.layers.cpu_weights import use_cpu_weight_layout
 from app.worker.loader import (
     eos_token_ids,
     load_hf_config,

@@ -16,7 +16,7 @@ from app.worker.attention import (
     build_attention_batch,
     make_attention_backend,
 )
-from app.worker.attention.torch_backend import lower_right_causal
+from app.worker.attention.torch_backend import CPU_DECODE_GROUP_TOKENS, lower_right_causal
 from app.worker.kv_cache import KVCache, KVCacheSpec
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
@@ -39,7 +39,8 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 class Sequences:
     """Dense K/V histories of several sequences, mirrored into a paged cache with shuffled blocks."""
 
-    def __init__(self, lengths: list[int], block_size: int, num_layers: int = 2, seed: int = 0) -> None:
+    def __init__(self, lengths: list[int], block_size: int, num_layers: int = 2, seed: int = 0,
+                 dtype: torch.dtype = torch.float32) -> None:
         self.gen = torch.Generator().manual_seed(seed)
         self.block_size = block_size
         self.lengths = lengths
@@ -50,11 +51,11 @@ class Sequences:
         for count in blocks_per_seq:
             self.tables.append(order[used : used + count])
             used += count
-        spec = KVCacheSpec(num_layers, KV_HEADS, DIM, torch.float32)
+        spec = KVCacheSpec(num_layers, KV_HEADS, DIM, dtype)
         self.cache = KVCache(spec, total, block_size, torch.device("cpu"))
         self.backend = TorchAttentionBackend(self.cache, SPEC)
-        self.k = [torch.randn(n, KV_HEADS, DIM, generator=self.gen) for n in lengths]
-        self.v = [torch.randn(n, KV_HEADS, DIM, generator=self.gen) for n in lengths]
+        self.k = [torch.randn(n, KV_HEADS, DIM, generator=self.gen).to(dtype) for n in lengths]
+        self.v = [torch.randn(n, KV_HEADS, DIM, generator=self.gen).to(dtype) for n in lengths]
 
     def table_tensor(self) -> torch.Tensor:
         width = max(len(t) for t in self.tables)
@@ -112,6 +113,27 @@ def test_decode_groups_split_by_budget_give_the_same_result() -> None:
         torch.testing.assert_close(out[b : b + 1], expected, atol=1e-5, rtol=1e-5)
 
 
+def test_bf16_decodes_match_dense_attention() -> None:
+    """On the CPU bf16 decodes attend in float32 (SDPA's bf16 kernel is the slower there), in groups of
+    at most CPU_DECODE_GROUP_TOKENS padded tokens."""
+    lengths = [5, 40, 9, 23, 1]
+    seqs = Sequences(lengths, block_size=4, seed=4, dtype=torch.bfloat16)
+    assert seqs.backend.decode_group_tokens == CPU_DECODE_GROUP_TOKENS
+    seqs.backend.decode_group_tokens = 48  # several groups
+    seqs.fill_prefix(0, [n - 1 for n in lengths])
+    batch = build_attention_batch(seqs.table_tensor(), [1] * len(lengths), lengths, 4)
+    q = torch.randn(len(lengths), HEADS, DIM, generator=seqs.gen).to(torch.bfloat16)
+    k = torch.stack([kk[-1] for kk in seqs.k])
+    v = torch.stack([vv[-1] for vv in seqs.v])
+    meta = seqs.backend.plan(batch)
+    assert len(meta.decode_groups) > 1
+    out = seqs.backend.forward(0, q, k, v, meta)
+    assert out.dtype == torch.bfloat16
+    for b in range(len(lengths)):
+        expected = naive_attention(q[b : b + 1].float(), seqs.k[b].float(), seqs.v[b].float(), SPEC.scale)
+        torch.testing.assert_close(out[b : b + 1].float(), expected, atol=2e-2, rtol=2e-2)
+
+
 def test_multi_query_and_plain_multi_head() -> None:
     for kv_heads in (1, HEADS):
         spec = AttentionSpec(HEADS, kv_heads, DIM, 0.3)
@@ -156,7 +178,7 @@ def test_cpu_worker_imports_no_triton_nor_dynamo() -> None:
     code = (
         "import sys, torch\n"
         "import app.worker.process, app.worker.model_runner\n"
-        "from app.worker.attention.torch_backend import lower_right_causal\n"
+        "from app.worker.attention.torch_backend import CPU_DECODE_GROUP_TOKENS, lower_right_causal\n"
         "lower_right_causal(2, 5, torch.device('cpu'))\n"
         "loaded = [m for m in ('triton', 'torch._dynamo', 'sympy', 'tokenspeed_kernels.gemv') if m in sys.modules]\n"
         "assert not loaded, loaded\n"

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.worker.sampling.reduce import argmax_in_pieces, argmax_rows, max_in_pieces, max_rows, piece_width
+from app.worker.sampling.reduce import (
+    argmax_and_bad_rows,
+    argmax_in_pieces,
+    argmax_rows,
+    max_in_pieces,
+    max_rows,
+    piece_width,
+)
 
 
 def rows_with_ties() -> torch.Tensor:
@@ -38,6 +45,16 @@ def test_cpu_rows_take_one_pass() -> None:
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1)) and torch.equal(max_rows(x), x.amax(dim=-1))
     odd = torch.randn(2, 1001)  # no power-of-two factor: one pass on any device
     assert torch.equal(argmax_rows(odd), odd.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_greedy_rows_take_one_max(dtype: torch.dtype) -> None:
+    """max(dim) on the CPU: argmax's first index among ties, and the bad rows (NaN, +inf, all -inf)."""
+    x = rows_with_ties().to(dtype)
+    x[0, 100] = torch.nan
+    tokens, bad = argmax_and_bad_rows(x)
+    assert torch.equal(tokens, x.argmax(dim=-1)) and tokens[1:3].tolist() == [3, 130]
+    assert bad.tolist() == [True, False, False, True, True, False]
 
 
 def test_piece_widths() -> None:

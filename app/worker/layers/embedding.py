@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app.worker.layers.linear import TPSlice, mark_tp_slices
+from app.worker.layers.linear import TPSlice, linear, mark_tp_slices
 from app.worker.parallel import SINGLE, TensorParallel
 
 
@@ -41,7 +41,9 @@ class VocabEmbedding(nn.Module):
 class LMHead(nn.Module):
     """hidden -> logits in the model dtype, as the matmul rounds them (a float32 copy would hold the same
     values: samplers upcast where they compute). With tied embeddings the weight is the embedding's
-    parameter itself, so the checkpoint's lm_head tensor (if any) is redundant."""
+    parameter itself, so the checkpoint's lm_head tensor (if any) is redundant; on a CPU with native
+    half matmuls the head then multiplies by a prepacked copy of it (`packed`, app/worker/layers/
+    cpu_weights.py), as the lookup needs the plain table."""
 
     def __init__(
         self,
@@ -55,6 +57,7 @@ class LMHead(nn.Module):
         self.tied = tied is not None
         self.tp = tp
         self.vocab_size = vocab_size
+        self.packed: torch.Tensor | None = None
         if tied is not None:
             self.weight = tied.weight
         else:
@@ -68,7 +71,11 @@ class LMHead(nn.Module):
     def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [B, H] -> logits [B, vocab], written into `out` when given (a CUDA graph's static
         buffer: no copy of a [B, vocab] temporary)."""
-        if self.tp.size == 1:
-            return torch.mm(hidden, self.weight.t(), out=out)
-        logits = self.tp.all_gather_last(F.linear(hidden, self.weight))[..., : self.vocab_size]
-        return logits.contiguous() if out is None else out.copy_(logits)
+        head = self.weight if self.packed is None else self.packed
+        if self.tp.size == 1 and not head.is_mkldnn:
+            return torch.mm(hidden, head.t(), out=out)
+        logits = linear(hidden, head)
+        if self.tp.size > 1:
+            logits = self.tp.all_gather_last(logits)[..., : self.vocab_size]
+            return logits.contiguous() if out is None else out.copy_(logits)
+        return logits if out is None else out.copy_(logits)

@@ -122,23 +122,15 @@ class Linear(nn.Module):
             if config is not None:  # decode-sized, and kernels/gemv.py beat cuBLAS on this shape
                 y = gemv.gemv(x, self.weight, None, config)
                 return y if bias is None else y + bias
-        return F.linear(x, self.weight, bias)
+        return linear(x, self.weight, bias)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, or oneDNN's linear where the weight is prepacked for it (app/worker/layers/cpu_weights.py)."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
 
-def use_cpu_weight_layout(model: nn.Module) -> int:
-    """On the CPU, store every unquantized linear's [out, in] weight as the transpose of a contiguous
-    [in, out] tensor, one layer at a time. F.linear then hands MKL a row-major right-hand operand, which
-    on an AVX2 host made SmolLM2's decoder linears 1.3x faster at one row and 1.1x at a 128-token
-    prefill (the batch-1 step 12-23% faster, batch 8 and 32 2-4%). The parameter keeps its shape, so
-    loading, TP slices and weight updates work unchanged. Returns the number of layers changed."""
-    changed = 0
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, Linear) and module.quant is None and module.weight.device.type == "cpu":
-                module.weight.data = module.weight.data.t().contiguous().t()
-                changed += 1
-    return changed
 
 class RowParallelLinear(Linear):
     """A linear whose input features are split over the TP ranks (o_proj, down_proj): partial products

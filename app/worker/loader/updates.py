@@ -36,6 +36,7 @@ from app.protocol import (
     UpdateWeightsFromTensor,
 )
 from app.worker.layers import SHARD_ROWS
+from app.worker.layers.cpu_weights import plain_weights
 from app.worker.layers.linear import SHARD_VIEW, TPSlice, tp_slice
 from app.worker.loader.hf_config import load_hf_config
 from app.worker.loader.source import resolve_model_path
@@ -330,11 +331,12 @@ class WeightControl:
             return self.groups.destroy(op.group_name)
         if getattr(r, "quant_scheme", None) is not None:
             raise UpdateError("weights not updated: updating a quantized model's weights is not supported yet")
-        if isinstance(op, UpdateWeightsFromDisk):
-            roots = allowed_roots(r.model_dir, r.settings)
-            return update_from_disk(r.model, r.config, r.settings, op.model_path, op.load_format, roots)
-        if isinstance(op, UpdateWeightsFromDistributed):
-            return self.groups.receive(r.model, op.group_name, op.names, op.dtypes, op.shapes)
-        if isinstance(op, UpdateWeightsFromTensor):
+        if not isinstance(op, UpdateWeightsFromDisk | UpdateWeightsFromDistributed | UpdateWeightsFromTensor):
+            raise UpdateError(f"unknown weight operation {type(op).__name__}")
+        with plain_weights(r.model):  # CPU weights packed for oneDNN are written unpacked, then packed again
+            if isinstance(op, UpdateWeightsFromDisk):
+                roots = allowed_roots(r.model_dir, r.settings)
+                return update_from_disk(r.model, r.config, r.settings, op.model_path, op.load_format, roots)
+            if isinstance(op, UpdateWeightsFromDistributed):
+                return self.groups.receive(r.model, op.group_name, op.names, op.dtypes, op.shapes)
             return update_from_tensors(r.model, list(decode_named_tensors(op.tensors).items()))
-        raise UpdateError(f"unknown weight operation {type(op).__name__}")

@@ -43,9 +43,14 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 
 def argmax_and_bad_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(argmax_rows(x), ~isfinite(max_rows(x))): a greedy batch's tokens and its bad rows (NaN, +inf,
-    or all -inf). On CUDA one read of x (kernels/greedy.py) instead of the two reductions."""
+    or all -inf). On CUDA one read of x (kernels/greedy.py) instead of the two reductions; on the CPU
+    one max(dim) (the first index of the largest value, NaN propagated, as argmax), which over bf16
+    logits took half the time of the argmax alone."""
     if x.is_cuda and x.dim() == 2 and x.stride(-1) == 1:
         return kernel_module("greedy").greedy_tokens(x)
+    if not x.is_cuda:
+        values, tokens = x.max(dim=-1)
+        return tokens, ~torch.isfinite(values)
     return argmax_rows(x), ~torch.isfinite(max_rows(x))
 
 

@@ -13,10 +13,11 @@ served); transformers' decode rate is (N - 1) / (time of generate(N) - time of g
   (on the CPU, for a smoke test: --device cpu --dtype float32 with a tiny MoE model directory)
 
 --tune instead times the expert kernels alone (each of the two projections; in a CUDA graph, as a step
-runs them, over rotated routings that keep the chosen experts out of the L2) on the layer shapes of Qwen3-30B-A3B and Mixtral, 16-bit and FP8 experts, at every
-token bucket of kernels/moe.py (1 to 64 tokens: the decode GEMVs and the grouped GEMMs, and the whole call
-both ways for the choice of shape; 128 to 4096: the grouped GEMMs), over a pruned grid of tiles, and writes
-the fastest per (path, experts, N, K, weight kind, bucket) as the JSON kernels/moe_configs.json keeps:
+runs them, over rotated routings that keep the chosen experts out of the L2) on the layer shapes of
+Qwen3-30B-A3B and Mixtral, 16-bit and FP8 experts, at every token bucket of kernels/moe.py (1 to 64
+tokens: the decode GEMVs and the grouped GEMMs, and the whole call both ways for the choice of shape; 128
+to 4096: the grouped GEMMs), over a pruned grid of tiles, and writes the fastest per (path, experts, N, K,
+weight kind, bucket) as the JSON kernels/moe_configs.json keeps (the rows of models not tuned kept):
 
   python scripts/gpu/bench_moe.py --tune --tune-budget 330 --json $OUT/moe_configs.json   (~6 min on an H200)
   cp moe_configs.json kernels/moe_configs.json
@@ -153,8 +154,8 @@ class TuneShape:
 class Tuner:
     """Times each expert kernel alone per tile configuration (a coordinate search: the tile at 4 warps and
     3 stages, then the launch shape around the best tile), and the whole MoE call in both shapes for the
-    decode-or-grouped choice. On CUDA a run is a CUDA graph of `copies` calls back to back, each on its
-    own routing (or router weight), so that no call finds the experts its predecessor read in the L2, as
+    decode-or-grouped choice. On CUDA a run is a CUDA graph of calls back to back (ROTATIONS while the
+    experts of a call could fit in the L2), each on its own routing (or router weight), so that no call finds the experts its predecessor read in the L2, as
     in a served step where every layer has its own; the figure is the replay's median over the calls.
     Timed one launch at a time instead (triton's do_bench), a 10 us kernel measured 17-40 us of host
     launch latency and the choices followed the noise. On the CPU (--smoke, under TRITON_INTERPRET=1)
@@ -541,8 +542,9 @@ def tune(args: argparse.Namespace) -> dict[str, Any]:
 
 def kept_rows(tuned: set[str]) -> dict[str, list]:
     """The kept table's rows of the models this run does not tune (--tune-models a subset): they stay."""
-    path = Path(__file__).resolve().parents[2] / "kernels" / "moe_configs.json"
-    old = json.loads(path.read_text()) if path.exists() else {}
+    from tokenspeed_kernels import moe
+
+    old = json.loads(moe.TABLE_PATH.read_text()) if moe.TABLE_PATH.exists() else {}
     return {key: [row for row in old.get(key, []) if row["model"] not in tuned] for key in ("configs", "choices")}
 
 

@@ -3,9 +3,11 @@
 
 B random prompts of --input-len tokens are prefilled (in plans of at most --chunked-prefill-size
 tokens), then decoded for --output-len - 1 steps, all greedy. Reported: start-to-ready seconds,
-prefill time, per-step decode wall time (ModelRunner.execute, host work and sampling included;
-median, p90, mean), the batch's decode tokens/s from the median, and, with CUDA graphs, the graph
-replay alone timed with CUDA events (the GPU-side step). On CUDA the copy bandwidth (bytes/s, read +
+prefill time, per-step decode wall time (the first half of the steps one at a time, ModelRunner.execute:
+host work and sampling included, none hidden; median, p90, mean), the batch's decode tokens/s from the
+median, the mean step of the second half pipelined as the worker serves a GPU (step N + 1 launched
+before step N's tokens are read, so the host's work hides under the device's), and, with CUDA graphs,
+the graph replay alone timed with CUDA events (the GPU-side step). On CUDA the copy bandwidth (bytes/s, read +
 write) is measured in the same process (or given by --copy-bandwidth) for the weight-read roofline
 (bandwidth / weight bytes steps per second) and the ratio of the measured step rate to it.
 Also recorded: the precision (--quantization, --kv-cache-dtype, as given and as the worker describes
@@ -253,6 +255,21 @@ def prefill(runner: Any, seqs: list[NewSeq], prompts: list[list[int]], per_plan:
     return total * 1e3, queued * 1e3
 
 
+def pipelined_step_ms(runner: Any, plan: StepPlan, steps: int) -> float | None:
+    """Mean ms a step over `steps` decode steps, each launched before the one before it is finished (the
+    worker's overlap); None for fewer than two."""
+    if steps < 2:
+        return None
+    t0 = time.perf_counter()
+    pending = runner.launch(plan)
+    for _ in range(steps - 1):
+        launched = runner.launch(plan)
+        runner.finish(pending)
+        pending = launched
+    runner.finish(pending)
+    return (time.perf_counter() - t0) * 1e3 / steps
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     device = torch.device(args.device)
@@ -283,13 +300,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prefill_ms = statistics.median(total for total, _ in prefills)
     prefill_queued_ms = statistics.median(queued for _, queued in prefills)
     decode_plan = StepPlan(step=1, chunks=[SeqChunk(b) for b in range(args.batch_size)])
+    steps = args.output_len - 1
     step_ms = []
-    for _ in range(args.output_len - 1):
+    for _ in range(steps - steps // 2):
         t0 = time.perf_counter()
         runner.execute(decode_plan)  # returns after the sampled ids reached the host
         step_ms.append((time.perf_counter() - t0) * 1e3)
     measured = step_ms[args.warmup_steps :] or step_ms
     stats = summary(measured)
+    pipelined_ms = pipelined_step_ms(runner, decode_plan, steps // 2)
     # A TP graph's all-reduces wait for every rank: replaying rank 0's alone would hang.
     replay_ms = time_graph_replay(runner, args.batch_size) if device.type == "cuda" and tp_size(runner) == 1 else None
     close_runner(runner)
@@ -310,6 +329,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "prefill_queued_ms": prefill_queued_ms,
         "decode_step_ms": stats,
         "decode_tokens_per_s": args.batch_size * 1e3 / stats["p50"],
+        "pipelined_step_ms": pipelined_ms,
+        "pipelined_tokens_per_s": args.batch_size * 1e3 / pipelined_ms if pipelined_ms else None,
         "graph_replay_ms": replay_ms,
         "graph_tokens_per_s": args.batch_size * 1e3 / replay_ms if replay_ms else None,
     }

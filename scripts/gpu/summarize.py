@@ -235,7 +235,8 @@ def moe_lines(results: dict[str, dict]) -> list[str]:
             r = d.get(name)
             if r:
                 lines.append(f"| batch-1 decode tok/s, {label} (graph replay) | {fmt(r.get('graph_tokens_per_s'))} "
-                             f"(decode loop {fmt(r.get('decode_tokens_per_s'))}) | "
+                             f"(decode loop {fmt(r.get('decode_tokens_per_s'))}, pipelined "
+                             f"{fmt(r.get('pipelined_tokens_per_s'))}) | "
                              f"{'450' if name == 'none' else ''} | {fmt(r.get('active_roofline_tokens_per_s'))} |")  # fmt: skip
         if d.get("fp8_over_bf16"):
             lines.append(f"| FP8 / bf16 (decode loop) | {d['fp8_over_bf16']:.3f} | 1.5 | |")

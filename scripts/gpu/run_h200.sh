@@ -17,7 +17,8 @@
 #   figures_moe       MoE (issue 33; run with NO_WARM=1 DEADLINE=570): the kernels' tuning (its table copied to
 #                     kernels/ for the stages after it and to $OUT/moe_configs.json), Qwen3-30B-A3B batch-1
 #                     decode bf16 and FP8 with transformers beside them, the MoE GPU tests, a profile of batch-1
-#                     decode, and the 1000 x 1000 offline figure if the time left allows (else a call of its own)
+#                     decode, and the 1000 x 1000 offline figures (bf16 KV, then FP8 KV at 512 running) as far as
+#                     the time left allows (else calls of their own)
 # Stages (a suite is a list of these; each can be named alone):
 #   roofline                 copy bandwidth and a bf16 matmul (scripts/gpu/roofline.py): ~40 s
 #   latency_triton latency_flashinfer latency_b4 latency_b32
@@ -91,7 +92,7 @@ suite() {  # suite NAME: its stages, or nothing for a name that is not a suite
     figures_offline) echo offline_1000 offline_1000_fp8kv ;;
     figures_serving) echo serving ;;
     figures_tp) echo tests_tp latency_tp serving_dp ;;
-    figures_moe) echo moe_tune moe_decode moe_tests moe_profile moe_offline_1000 ;;
+    figures_moe) echo moe_tune moe_decode moe_tests moe_profile moe_offline_1000 moe_offline_1000_fp8kv ;;
   esac
 }
 STAGES=

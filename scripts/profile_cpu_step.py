@@ -88,20 +88,17 @@ def time_steps(driver: Driver, steps: int) -> list[float]:
 
 def ab_plain(driver: Driver, steps: int, rounds: int) -> dict[str, float]:
     """Step p50 (ms) with the model's weights as loaded ('packed') and in the plain layout, alternated."""
-    from contextlib import ExitStack
-
-    from app.worker.layers.cpu_weights import plain_weights
+    from app.worker.layers.cpu_weights import plain_weights, transpose_layout
     from app.worker.layers.linear import Linear
 
     model = driver.runner.model
     times: dict[str, list[float]] = {"packed": [], "plain": []}
     for _ in range(rounds):
         times["packed"] += time_steps(driver, steps)
-        with ExitStack() as stack:
-            stack.enter_context(plain_weights(model))
+        with plain_weights(model):
             for module in model.modules():
                 if isinstance(module, Linear) and module.quant is None:
-                    module.weight.data = module.weight.data.t().contiguous().t()
+                    transpose_layout(module)
             time_steps(driver, 2)
             times["plain"] += time_steps(driver, steps)
         time_steps(driver, 2)

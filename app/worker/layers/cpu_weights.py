@@ -75,6 +75,19 @@ def _cpu_heads(model: nn.Module) -> Iterator[LMHead]:
             yield module
 
 
+def transpose_layout(module: Linear) -> None:
+    """The plain run-time form: the [out, in] weight as the transpose of a contiguous [in, out]."""
+    module.weight.data = module.weight.data.t().contiguous().t()
+
+
+def _pack_weight(module: Linear | LMHead) -> None:
+    """Pack the module's plain weight for oneDNN: in place of it, or beside it for a tied head."""
+    if isinstance(module, LMHead) and module.tied:
+        module.packed = pack(module.weight)
+    else:
+        _replace(module, pack(module.weight))
+
+
 def use_cpu_weight_layout(model: nn.Module) -> int:
     """Bring the model's CPU linears (and LM head) to their run-time form; returns the layers changed."""
     changed, packed_copy = 0, 0
@@ -83,18 +96,16 @@ def use_cpu_weight_layout(model: nn.Module) -> int:
             if module.weight.is_mkldnn:
                 continue
             if packs(module.weight.dtype):
-                _replace(module, pack(module.weight))
+                _pack_weight(module)
             else:
-                module.weight.data = module.weight.data.t().contiguous().t()
+                transpose_layout(module)
             changed += 1
         for head in _cpu_heads(model):
             if not packs(head.weight.dtype) or head.weight.is_mkldnn or head.packed is not None:
                 continue
+            _pack_weight(head)
             if head.tied:
-                head.packed = pack(head.weight)
                 packed_copy += head.weight.numel() * head.weight.element_size()
-            else:
-                _replace(head, pack(head.weight))
             changed += 1
     if packed_copy:
         log.info("the tied LM head multiplies by a oneDNN-packed copy of the embedding: +%.0f MiB",
@@ -124,7 +135,4 @@ def plain_weights(model: nn.Module) -> Iterator[None]:
     finally:
         with torch.no_grad():
             for module in unpacked:
-                if isinstance(module, LMHead) and module.tied:
-                    module.packed = pack(module.weight)
-                else:
-                    _replace(module, pack(module.weight))
+                _pack_weight(module)

@@ -77,5 +77,4 @@ class LMHead(nn.Module):
         logits = linear(hidden, head)
         if self.tp.size > 1:
             logits = self.tp.all_gather_last(logits)[..., : self.vocab_size]
-            return logits.contiguous() if out is None else out.copy_(logits)
-        return logits if out is None else out.copy_(logits)
+        return logits.contiguous() if out is None else out.copy_(logits)

@@ -39,7 +39,7 @@ SHAPE_SETS = {
     "llama-3.1-8b": ({"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}, 32),
     "qwen3-30b-a3b": ({"qkv": (5120, 2048), "o": (2048, 4096), "lm_head": (151936, 2048)}, 48),
 }
-SHAPES, LAYERS = SHAPE_SETS["llama-3.1-8b"]
+SHAPES = SHAPE_SETS["llama-3.1-8b"][0]  # the 8B's, which bench_gemv_chain.py times too
 ROTATE_BYTES = 256 << 20
 FMA_TILES = {1: [(2, 2048), (4, 1024), (8, 512), (8, 1024), (16, 512)],
              4: [(1, 1024), (2, 512), (4, 256), (4, 512), (8, 256)]}
@@ -197,13 +197,12 @@ def main() -> None:
     parser.add_argument("--weights", default="bf16,fp8", help="of bf16, fp8 (W8A16), w8a8")
     parser.add_argument("--shapes", default="llama-3.1-8b", choices=sorted(SHAPE_SETS))
     args = parser.parse_args()
-    global SHAPES, LAYERS
-    SHAPES, LAYERS = SHAPE_SETS[args.shapes]
+    shapes, layers = SHAPE_SETS[args.shapes]
     t0 = time.monotonic()
     rows = []
     ms = [int(v) for v in args.rows.split(",")]
     kinds = args.weights.split(",")
-    jobs = [(name, n, k, m, kind) for kind in kinds for m in ms for name, (n, k) in SHAPES.items()]
+    jobs = [(name, n, k, m, kind) for kind in kinds for m in ms for name, (n, k) in shapes.items()]
     compile_all({(m, kind) for _, _, _, m, kind in jobs}, t0 + args.budget_s / 2)
     for i, (name, n, k, m, kind) in enumerate(jobs):
         share = (args.budget_s - (time.monotonic() - t0)) / (len(jobs) - i)  # even share of what is left
@@ -211,10 +210,12 @@ def main() -> None:
         torch.cuda.empty_cache()
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
-    print_table(rows, ms)
+    print_table(rows, ms, len(shapes), layers)
 
 
-def print_table(rows: list[dict], ms: list[int]) -> None:
+def print_table(rows: list[dict], ms: list[int], num_shapes: int, layers: int) -> None:
+    """The _MEASURED rows, a table of every shape, and each kind's sum over a step (`layers` decoder
+    layers of the shapes, the LM head once)."""
     keys = {"bf16": "16", "fp8": "fp8", "w8a8": "w8a8"}
     print("_MEASURED = {")
     for r in rows:
@@ -239,14 +240,14 @@ def print_table(rows: list[dict], ms: list[int]) -> None:
     for weights in ("bf16", "fp8", "w8a8"):
         for m in ms:
             sel = [r for r in rows if r["weights"] == weights and r["m"] == m and "best_ms" in r]
-            if len(sel) == len(SHAPES):
-                best = sum(r["best_ms"] * (1 if r["layer"] == "lm_head" else LAYERS) for r in sel)
-                base = sum(cublas.get((r["layer"], m), nan) * (1 if r["layer"] == "lm_head" else LAYERS)
+            if len(sel) == num_shapes:
+                best = sum(r["best_ms"] * (1 if r["layer"] == "lm_head" else layers) for r in sel)
+                base = sum(cublas.get((r["layer"], m), nan) * (1 if r["layer"] == "lm_head" else layers)
                            for r in sel)
                 extra = ""
                 if weights == "w8a8":
-                    extra = f"; W8A16 GEMV {LAYERS * sum(r['w8a16_ms'] for r in sel):.3f} ms"
-                print(f"step GEMVs ({weights} weights, m={m}, {LAYERS} layers): best {best:.3f} ms vs "
+                    extra = f"; W8A16 GEMV {layers * sum(r['w8a16_ms'] for r in sel):.3f} ms"
+                print(f"step GEMVs ({weights} weights, m={m}, {layers} layers): best {best:.3f} ms vs "
                       f"cuBLAS bf16 {base:.3f} ms{extra}")
 
 

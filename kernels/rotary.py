@@ -9,9 +9,15 @@ rotate_and_write_kv can put the rotated q into a buffer of its own (q_out) inste
 kernel that needs q contiguous (flashinfer's xqa decode) then gets it without a copy.
 The cache write is kv_write.write_kv's (store_cache_rows): an FP8 cache (torch.float8_e4m3fn) stores the rotated K and V
 quantized with the layer's k_scale / v_scale.
+Models that normalise each head of q and k before the rotation (Qwen3's q_norm / k_norm) pass the two
+norms' weights (qk_norm): the same launch then applies rmsnorm.py's arithmetic per head first (two
+launches a layer fewer); the sum of squares runs over the two halves, so a value can differ from
+rms_norm's by an ulp where the order of that sum matters.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -35,6 +41,21 @@ def rotate_halves(x1, x2, cos, sin):
     return o1.to(dtype), o2.to(dtype)
 
 
+@dataclass(frozen=True)
+class QKNorm:
+    """Per-head RMSNorms of q and k (weights [head_dim] in the activations' dtype) applied before RoPE."""
+
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    eps: float
+
+    def check(self, head_dim: int) -> None:
+        for name, w in (("q", self.q_weight), ("k", self.k_weight)):
+            if tuple(w.shape) != (head_dim,) or w.stride(-1) != 1:
+                raise ValueError(f"the {name} norm's weight must be a contiguous [{head_dim}] vector, "
+                                 f"got {tuple(w.shape)}")  # fmt: skip
+
+
 # Heads a program rotates: one at decode sizes (a batch's few tokens spread over as many SMs: H200,
 # batch 4, with the write, 3.3 us a layer by token, 2.1 us by head); several beyond, where one-head
 # programs are too small to keep up (1024-token prefill: 50 us a layer at one head a program).
@@ -51,6 +72,8 @@ def _rotary_kernel(
     cos_ptr,
     sin_ptr,
     pos_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
     k_cache_ptr,
     v_cache_ptr,
     slot_ptr,
@@ -63,17 +86,20 @@ def _rotary_kernel(
     num_heads,
     k_scale,
     v_scale,
+    eps,
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     ROW: tl.constexpr,
     WRITE_KV: tl.constexpr,
     FP8: tl.constexpr,
+    QK_NORM: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Program (t, j): token t's heads j * BLOCK_H + [0, BLOCK_H) of q's heads followed by k's (a head
     h >= num_q_heads is KV head h - num_q_heads: rotate k; with WRITE_KV, then write k and v into the
-    token's cache slot). Rotated q heads go to q_out (q itself for in place)."""
+    token's cache slot). Rotated q heads go to q_out (q itself for in place). With QK_NORM each head is
+    first normalised with its norm's weight (q_norm_ptr or k_norm_ptr, [2 * HALF])."""
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     # The token's position, its cos / sin and its cache slot are the step's inputs, not the output of the
@@ -86,8 +112,13 @@ def _rotary_kernel(
     sin = tl.load(sin_ptr + pos * stride_table + offs, mask=d_mask, other=0.0)[None, :]
     if WRITE_KV:
         slot = tl.load(slot_ptr + t).to(tl.int64)
-    wait_for_predecessor(USE_PDL)
     is_q = heads < num_q_heads
+    if QK_NORM:  # the norms' weights: no kernel's output either
+        norm_w1 = tl.where(is_q[:, None], tl.load(q_norm_ptr + offs, mask=d_mask)[None, :],
+                           tl.load(k_norm_ptr + offs, mask=d_mask)[None, :])  # fmt: skip
+        norm_w2 = tl.where(is_q[:, None], tl.load(q_norm_ptr + HALF + offs, mask=d_mask)[None, :],
+                           tl.load(k_norm_ptr + HALF + offs, mask=d_mask)[None, :])  # fmt: skip
+    wait_for_predecessor(USE_PDL)
     kv_head = heads - num_q_heads
     k_row = k_ptr + t * stride_k + kv_head * (2 * HALF)
     row = tl.where(is_q, q_ptr + t * stride_q + heads * (2 * HALF), k_row)
@@ -95,7 +126,10 @@ def _rotary_kernel(
     x = row[:, None] + offs[None, :]
     y = out_row[:, None] + offs[None, :]
     mask = (heads < num_heads)[:, None] & d_mask[None, :]
-    o1, o2 = rotate_halves(tl.load(x, mask=mask), tl.load(x + HALF, mask=mask), cos, sin)
+    x1, x2 = tl.load(x, mask=mask, other=0.0), tl.load(x + HALF, mask=mask, other=0.0)
+    if QK_NORM:
+        x1, x2 = _rms_norm_halves(x1, x2, norm_w1, norm_w2, eps, 2 * HALF)
+    o1, o2 = rotate_halves(x1, x2, cos, sin)
     tl.store(y, o1, mask=mask)
     tl.store(y + HALF, o2, mask=mask)
     # A program of query heads only has nothing to write: it skips the cache arithmetic (an FP8 cache's
@@ -111,6 +145,17 @@ def _rotary_kernel(
         store_cache_rows(v_cache_ptr + dst + HALF, tl.load(v + HALF, mask=kv_mask), v_scale, kv_mask, FP8)
 
 
+@triton.jit
+def _rms_norm_halves(x1, x2, w1, w2, eps, width):
+    """Rows [heads, HALF] of both halves normalised as rmsnorm.py does: float32 statistics, the row cast
+    back to x's dtype, then times the weight in the promoted dtype (rounded to x's for the rotation)."""
+    a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
+    rstd = 1.0 / tl.sqrt((tl.sum(a1 * a1, 1) + tl.sum(a2 * a2, 1)) / width + eps)[:, None]
+    y1 = w1 * (a1 * rstd).to(x1.dtype)
+    y2 = w2 * (a2 * rstd).to(x2.dtype)
+    return y1.to(x1.dtype), y2.to(x2.dtype)
+
+
 def _check_tables(cos: torch.Tensor, sin: torch.Tensor) -> None:
     if cos.stride(-1) != 1 or cos.stride() != sin.stride():
         raise ValueError("cos and sin must be row-major tables of one layout")
@@ -118,9 +163,10 @@ def _check_tables(cos: torch.Tensor, sin: torch.Tensor) -> None:
 
 def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             positions: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-            k_scale: float, v_scale: float, q_out: torch.Tensor | None = None) -> None:  # fmt: skip
+            k_scale: float, v_scale: float, q_out: torch.Tensor | None = None,
+            qk_norm: QKNorm | None = None) -> None:  # fmt: skip
     """caches: (k_cache, v_cache, slot_mapping) to write into, or None to rotate only; q_out: where the
-    rotated q goes (None: in place)."""
+    rotated q goes (None: in place); qk_norm: the per-head norms applied before the rotation."""
     check_rows("q", q)
     if q_out is None:
         q_out = q
@@ -130,26 +176,35 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor
     check_rows("k", k)
     check_rows("v", v)
     _check_tables(cos, sin)
+    if qk_norm is not None:
+        qk_norm.check(q.shape[2])
     num_tokens, half = q.shape[0], q.shape[2] // 2
     if num_tokens == 0:
         return
     k_cache, v_cache, slots = caches or (k, v, positions)  # unread when WRITE_KV is off
     num_heads = q.shape[1] + k.shape[1]
     block_h = 1 if num_tokens <= ONE_HEAD_MAX_TOKENS else HEADS_PER_PROGRAM
+    q_norm, k_norm, eps = (qk_norm.q_weight, qk_norm.k_weight, qk_norm.eps) if qk_norm else (cos, cos, 0.0)
     _rotary_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
-        q, q_out, k, v, cos, sin, positions, k_cache, v_cache, slots, q.stride(0), q_out.stride(0), k.stride(0),
-        v.stride(0),
-        cos.stride(0), q.shape[1], num_heads, float(k_scale), float(v_scale),
-        HALF=half, BLOCK_HALF=next_power_of_2(half), BLOCK_H=block_h, ROW=v.shape[1] * v.shape[2],
-        WRITE_KV=caches is not None, FP8=k_cache.dtype == FP8_DTYPE, **pdl_options(),
+        q, q_out, k, v, cos, sin, positions, q_norm, k_norm, k_cache, v_cache, slots, q.stride(0),
+        q_out.stride(0), k.stride(0), v.stride(0), cos.stride(0), q.shape[1], num_heads, float(k_scale),
+        float(v_scale), float(eps), HALF=half, BLOCK_HALF=next_power_of_2(half), BLOCK_H=block_h,
+        ROW=v.shape[1] * v.shape[2], WRITE_KV=caches is not None, FP8=k_cache.dtype == FP8_DTYPE,
+        QK_NORM=qk_norm is not None, **pdl_options(),
     )  # fmt: skip
 
 
 def rotary_inplace(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    qk_norm: QKNorm | None = None,
 ) -> None:
-    """q [T, Hq, D], k [T, Hkv, D] rotated in place; cos/sin [max_pos, D/2] float32 tables."""
-    _launch(q, k, k, cos, sin, positions, None, 1.0, 1.0)
+    """q [T, Hq, D], k [T, Hkv, D] rotated in place (each head normalised first with qk_norm); cos/sin
+    [max_pos, D/2] float32 tables."""
+    _launch(q, k, k, cos, sin, positions, None, 1.0, 1.0, qk_norm=qk_norm)
 
 
 def rotate_and_write_kv(
@@ -165,12 +220,13 @@ def rotate_and_write_kv(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     q_out: torch.Tensor | None = None,
+    qk_norm: QKNorm | None = None,
 ) -> None:
-    """rotary_inplace(q, k, cos, sin, positions) then kv_write.write_kv(k, v, ...) in one launch, with the
-    same results: q and k are rotated in place and the rotated k goes to the cache. With q_out the rotated
-    q goes there instead and q is left as it was."""
+    """rotary_inplace(q, k, cos, sin, positions, qk_norm) then kv_write.write_kv(k, v, ...) in one launch,
+    with the same results: q and k are rotated in place and the rotated k goes to the cache. With q_out the
+    rotated q goes there instead and q is left as it was."""
     check_kv_caches(k_cache, v_cache, k_scale, v_scale)
-    _launch(q, k, v, cos, sin, positions, (k_cache, v_cache, slot_mapping), k_scale, v_scale, q_out)
+    _launch(q, k, v, cos, sin, positions, (k_cache, v_cache, slot_mapping), k_scale, v_scale, q_out, qk_norm)
 
 
 def rotary_reference(

@@ -8,7 +8,7 @@ import torch
 from tokenspeed_kernels.activation import silu_and_mul, silu_and_mul_reference
 from tokenspeed_kernels.kv_write import write_kv
 from tokenspeed_kernels.rmsnorm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
-from tokenspeed_kernels.rotary import rotary_inplace, rotary_reference, rotate_and_write_kv
+from tokenspeed_kernels.rotary import QKNorm, rotary_inplace, rotary_reference, rotate_and_write_kv
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -45,6 +45,42 @@ def test_rotary_in_place_on_fused_views(dtype: torch.dtype, tokens: int) -> None
     # Bit-exact: every product and sum rounded to the dtype as torch rounds it.
     assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
     assert torch.equal(qkv[:, (heads + kv_heads) * dim :], v_before)  # v untouched
+
+
+# 5 tokens: one head a program; 20: eight heads a program, q and k heads within one.
+@pytest.mark.parametrize(("dtype", "tokens", "write"), [(torch.float32, 5, True), (torch.float16, 5, True),
+                                                       (torch.float16, 20, False)])  # fmt: skip
+def test_rotary_with_qk_norm_equals_the_norms_then_the_rotation(dtype: torch.dtype, tokens: int, write: bool) -> None:
+    """Qwen3's per-head q/k norms in the rotary launch: the values of rms_norm then the rotation (16-bit:
+    an ulp apart at most, where the order of the sum of squares matters), the same cache write."""
+    gen = torch.Generator().manual_seed(4)
+    heads, kv_heads, dim = 7, 3, 16
+    angles = torch.rand(64, dim // 2, generator=gen) * 6
+    cos, sin = angles.cos(), angles.sin()
+    positions = torch.randint(0, 64, (tokens,), generator=gen)
+    slots = torch.randperm(24, generator=gen)[:tokens]
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen) * 3).to(dtype)
+    norm = QKNorm(torch.rand(dim, generator=gen).to(dtype) + 0.5, torch.rand(dim, generator=gen).to(dtype) + 0.5, 1e-6)
+    x = qkv.clone()
+    q = x[:, : heads * dim].view(tokens, heads, dim)
+    k = x[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    v = x[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
+    caches = [torch.zeros(24, kv_heads, dim, dtype=dtype) for _ in range(2)]
+    if write:
+        rotate_and_write_kv(q, k, v, cos, sin, positions, *caches, slots, qk_norm=norm)
+    else:
+        rotary_inplace(q, k, cos, sin, positions, qk_norm=norm)
+    ref_q, ref_k = rotary_reference(rms_norm_reference(qkv[:, : heads * dim].view(tokens, heads, dim), norm.q_weight, 1e-6),
+                                    rms_norm_reference(qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim),
+                                                       norm.k_weight, 1e-6), cos, sin, positions)  # fmt: skip
+    tol = 1e-6 if dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(q, ref_q, atol=tol, rtol=tol)
+    torch.testing.assert_close(k, ref_k, atol=tol, rtol=tol)
+    assert torch.equal(x[:, (heads + kv_heads) * dim :], qkv[:, (heads + kv_heads) * dim :])  # v untouched
+    if write:
+        assert torch.equal(caches[0][slots], k) and torch.equal(caches[1][slots], v)
+    with pytest.raises(ValueError, match="norm's weight"):
+        rotary_inplace(q, k, cos, sin, positions, qk_norm=QKNorm(norm.q_weight[:8], norm.k_weight, 1e-6))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -170,7 +170,8 @@ def write_new_tokens(
     scales = (kv_cache.k_scales[layer_idx], kv_cache.v_scales[layer_idx])
     if rope is not None and rope.fused:
         kernel_module("rotary").rotate_and_write_kv(
-            q, k, v, rope.rotary.cos, rope.rotary.sin, rope.positions, *caches, *scales, q_out=q_out
+            q, k, v, rope.rotary.cos, rope.rotary.sin, rope.positions, *caches, *scales, q_out=q_out,
+            qk_norm=rope.kernel_qk_norm(),
         )
         return q if q_out is None else q_out
     if rope is not None:

@@ -7,6 +7,7 @@ into one RopeSpec. Scaling types: default, linear, llama3, yarn; others are refu
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from app.worker.layers.fused import kernel_module, use_fused
+from app.worker.layers.norm import RMSNorm
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _DEFAULT_THETA = 10000.0
@@ -133,12 +135,30 @@ class RotaryEmbedding(nn.Module):
 
 class Rope:
     """One step's rotary inputs, shared by every layer. On CUDA a fused kernel rotates q and k in
-    place straight from the float32 tables; elsewhere the step's cos/sin rows are gathered once."""
+    place straight from the float32 tables; elsewhere the step's cos/sin rows are gathered once.
+    A layer that normalises each head of q and k first (Qwen3) takes with_qk_norm's copy: the kernel
+    applies the norms in the same launch."""
 
     def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> None:
         self.rotary = rotary
         self.positions = positions
         self.cos_sin = None if use_fused(positions) else rotary.cos_sin(positions, dtype)
+        self.qk_norms: tuple[RMSNorm, RMSNorm] | None = None
+
+    def with_qk_norm(self, q_norm: RMSNorm, k_norm: RMSNorm) -> Rope:
+        """This step's rope for a layer whose q and k heads go through these norms before the rotation."""
+        if q_norm.eps != k_norm.eps:
+            raise ValueError("the q and k norms must share one epsilon")
+        rope = copy.copy(self)
+        rope.qk_norms = (q_norm, k_norm)
+        return rope
+
+    def kernel_qk_norm(self) -> Any:
+        """The norms as the fused kernel takes them (kernels/rotary.py QKNorm), None without."""
+        if self.qk_norms is None:
+            return None
+        q_norm, k_norm = self.qk_norms
+        return kernel_module("rotary").QKNorm(q_norm.weight, k_norm.weight, q_norm.eps)
 
     @property
     def fused(self) -> bool:
@@ -147,8 +167,12 @@ class Rope:
 
     def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fused:
-            kernel_module("rotary").rotary_inplace(q, k, self.rotary.cos, self.rotary.sin, self.positions)
+            kernel_module("rotary").rotary_inplace(
+                q, k, self.rotary.cos, self.rotary.sin, self.positions, self.kernel_qk_norm()
+            )
             return q, k
+        if self.qk_norms is not None:
+            q, k = self.qk_norms[0](q), self.qk_norms[1](k)
         return apply_rotary(q, k, *self.cos_sin)
 
 

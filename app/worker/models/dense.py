@@ -128,8 +128,8 @@ class DenseAttention(nn.Module):
         q = q.view(-1, d.num_heads, d.head_dim)
         k = k.view(-1, d.num_kv_heads, d.head_dim)
         v = v.view(-1, d.num_kv_heads, d.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+        if self.qk_norm:  # in the rotary launch on CUDA
+            rope = rope.with_qk_norm(self.q_norm, self.k_norm)
         out = attn.backend.forward(self.layer_idx, q, k, v, attn, rope)
         return self.o_proj(out.reshape(-1, d.num_heads * d.head_dim))
 

@@ -228,12 +228,12 @@ class Tuner:
 
 
 def _tile_of(cfg: Any) -> tuple[int, ...]:
-    """The tile of a configuration as make() takes it: the GEMV's block_n, block_k and form, the grouped
+    """The tile of a configuration as make() takes it: the GEMV's block_n, block_k, form and split, the grouped
     GEMM's block_m, block_n and block_k, or the router's slice and block."""
     if hasattr(cfg, "slice_e"):
         return cfg.slice_e, cfg.block_h
     if hasattr(cfg, "use_dot"):
-        return cfg.block_n, cfg.block_k, cfg.use_dot
+        return cfg.block_n, cfg.block_k, cfg.use_dot, cfg.pair_split
     return cfg.block_m, cfg.block_n, cfg.block_k
 
 
@@ -313,16 +313,24 @@ def router_grid(smoke: bool) -> tuple[list, list, Any, Any]:
     return ROUTER_TILES, ROUTER_LAUNCH, moe.RouterConfig(), make
 
 
-def gemv_grid(smoke: bool) -> tuple[list, list, Any, Any]:
-    """The same for the decode shape's GEMVs (both projections)."""
+def gemv_grid(smoke: bool, splits: tuple[int, ...] = (1,)) -> tuple[list, list, Any, Any]:
+    """The same for the decode shape's GEMVs (both projections), each tile at every pair split given (the
+    down kernel's: a tile that is slow read by one program a token can be the fastest over k of them)."""
     from tokenspeed_kernels import moe
 
-    def make(tile: tuple[int, int, bool], launch: tuple[int, int]) -> Any:
-        return moe.MoeDecodeConfig(tile[0], tile[1], *launch, use_dot=tile[2])
+    def make(tile: tuple[int, int, bool, int], launch: tuple[int, int]) -> Any:
+        return moe.MoeDecodeConfig(tile[0], tile[1], *launch, use_dot=tile[2], pair_split=tile[3])
 
+    tiles = [(4, 16, False), (16, 16, True)] if smoke else GEMV_TILES
+    tiles = [(*tile, split) for tile in tiles for split in splits]
     if smoke:
-        return [(4, 16, False), (16, 16, True)], [(2, 1)], moe.MoeDecodeConfig(block_n=8, block_k=32), make
-    return GEMV_TILES, GEMV_LAUNCH, moe.MoeDecodeConfig(), make
+        return tiles, [(2, 1)], moe.MoeDecodeConfig(block_n=8, block_k=32), make
+    return tiles, GEMV_LAUNCH, moe.MoeDecodeConfig(), make
+
+
+def down_splits(top_k: int) -> tuple[int, ...]:
+    """The pair splits every down tile is tried at: one program a token, and one a pair."""
+    return (1, top_k) if top_k > 1 else (1,)
 
 
 def grouped_grid(smoke: bool, shape: TuneShape, tokens: int) -> tuple[list, list, Any, Any]:
@@ -379,6 +387,7 @@ def tune_gemv(tuner: Tuner, case: TuneCase, tokens: int, x: torch.Tensor, flat: 
     def split(best: Any) -> list[Any]:  # the down kernel's pairs spread over 2 to k programs
         return [replace(best, pair_split=n) for n in range(2, k + 1) if k % n == 0 and n & (n - 1) == 0]
 
+    tiles, launches, default, make = gemv_grid(tuner.smoke, down_splits(k))
     down = tuner.search(lambda c, i: moe.expert_gemv_down(mid, w2, s2, route[i], flat[i], k, c), make, tiles,
                         launches, len(flat), default, split)  # fmt: skip
     tuner.record("gemv", shape, w2.shape[1], w2.shape[2], label, tokens, *down)
@@ -422,10 +431,10 @@ def compile_jobs(shapes: list[TuneShape], kinds: list[str], tokens: list[int], d
 
     jobs: list[tuple] = []
     for shape, kind in itertools.product(shapes, kinds):
-        tiles, _, default, make = gemv_grid(False)
         if min(tokens) <= decode_max:
-            jobs += [("gemv", proj, shape, kind, 1, cfg) for proj in ("up", "down")
-                     for cfg in (default, *(make(t, (4, 3)) for t in tiles))]  # fmt: skip
+            for proj, splits in (("up", (1,)), ("down", down_splits(shape.top_k))):
+                tiles, _, default, make = gemv_grid(False, splits)
+                jobs += [("gemv", proj, shape, kind, 1, cfg) for cfg in (default, *(make(t, (4, 3)) for t in tiles))]
         if kind != "fp8" and min(tokens) <= moe.ROUTER_FUSED_MAX_TOKENS:
             tiles, _, default, make = router_grid(False)
             jobs += [("router", "", shape, kind, 1, cfg) for cfg in (default, *(make(t, (4, 3)) for t in tiles))]
@@ -518,7 +527,8 @@ def tune(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.monotonic()
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter smoke run)"
 
-    kept = kept_rows({shape.name for shape in shapes}) if not args.smoke else {"configs": [], "choices": []}
+    kept = kept_rows({shape.name for shape in shapes}, set(tokens), set(args.tune_weights.split(","))) \
+        if not args.smoke else {"configs": [], "choices": []}  # fmt: skip
 
     def table() -> dict[str, Any]:
         return {"source": f"python scripts/gpu/bench_moe.py --tune on {device_name}, {time.monotonic() - t0:.0f} s",
@@ -540,12 +550,17 @@ def tune(args: argparse.Namespace) -> dict[str, Any]:
     return table()
 
 
-def kept_rows(tuned: set[str]) -> dict[str, list]:
-    """The kept table's rows of the models this run does not tune (--tune-models a subset): they stay."""
+def kept_rows(models: set[str], tokens: set[int], kinds: set[str]) -> dict[str, list]:
+    """The kept table's rows this run does not measure again (--tune-models, --tune-tokens or
+    --tune-weights a subset): they stay."""
     from tokenspeed_kernels import moe
 
     old = json.loads(moe.TABLE_PATH.read_text()) if moe.TABLE_PATH.exists() else {}
-    return {key: [row for row in old.get(key, []) if row["model"] not in tuned] for key in ("configs", "choices")}
+
+    def retuned(row: dict[str, Any]) -> bool:
+        return row["model"] in models and row["tokens"] in tokens and row["weights"] in kinds
+
+    return {key: [row for row in old.get(key, []) if not retuned(row)] for key in ("configs", "choices")}
 
 
 def write_json(path: str, data: dict[str, Any]) -> None:

@@ -1,14 +1,16 @@
-"""scripts/gpu/bench_moe.py's roofline: the bytes one decode token of Qwen3-30B-A3B reads (8 of its 128
-experts a layer, one embedding row), from the model built on the meta device as the runner builds it."""
+"""scripts/gpu/bench_moe.py: the roofline (the bytes one decode token of Qwen3-30B-A3B reads: 8 of its 128
+experts a layer, one embedding row, from the model built on the meta device as the runner builds it), and
+which rows of the kept tuning table a partial tuning run leaves in place."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from scripts.gpu.bench_moe import active_bytes_per_token
+from scripts.gpu.bench_moe import active_bytes_per_token, kept_rows
 
 MODEL = str(Path(__file__).resolve().parents[2] / "configs" / "models" / "qwen3-30b-a3b")
 
@@ -21,3 +23,17 @@ def test_active_bytes_of_qwen3_30b_a3b() -> None:
     fp8 = active_bytes_per_token(MODEL, torch.bfloat16, "fp8")
     # one byte a decoder weight (plus scales); the LM head and the routers stay bf16
     assert 0.5 < fp8["active_bytes_per_token"] / bf16["active_bytes_per_token"] < 0.6
+
+
+def test_a_partial_tuning_run_keeps_the_rows_it_does_not_measure(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    from tokenspeed_kernels import moe
+
+    rows = [{"model": m, "tokens": t, "weights": w} for m in ("a", "b") for t in (1, 2) for w in ("16", "fp8")]
+    table = tmp_path / "moe_configs.json"
+    table.write_text(json.dumps({"configs": rows, "choices": rows[:2]}))
+    monkeypatch.setattr(moe, "TABLE_PATH", table)
+    kept = kept_rows({"a"}, {1}, {"16"})
+    assert {"model": "a", "tokens": 1, "weights": "16"} not in kept["configs"]
+    assert len(kept["configs"]) == len(rows) - 1
+    assert kept["choices"] == [rows[1]]

@@ -72,18 +72,21 @@ def _softmax_topk(x, cols, ok, out, weights_ptr, ids_ptr, E, TOP_K: tl.constexpr
     p = tl.exp(x - tl.max(x, 0))
     p = tl.where(ok, p, 0.0)
     p = p / tl.sum(p, 0)
-    left = tl.where(ok, p, -1.0)  # probabilities not picked yet (padding below any probability)
+    # One int64 key an expert, so that a pick is one max: the probability's bits above (non-negative floats
+    # order as their bits do; the padding's -1.0 is below them all), E - 1 - id below (the lowest id first
+    # among equal probabilities). A NaN row's keys tie above the padding: it still names real experts, and
+    # its NaN weights poison only its own token, never an out-of-range read.
+    bits = tl.where(ok, p, -1.0).to(tl.int32, bitcast=True).to(tl.int64)
+    keys = (bits << 32) | tl.where(ok, E - 1 - cols, 0).to(tl.int64)
     kk = tl.arange(0, BLOCK_K)
     top_w = tl.zeros((BLOCK_K,), dtype=tl.float32)
     top_id = tl.zeros((BLOCK_K,), dtype=tl.int32)
     for i in tl.static_range(TOP_K):
-        best = tl.max(left, 0)
-        # The lowest id among equals; clamped so that a NaN row (no equal) still names an expert: its NaN
-        # weights then poison only its own token, never an out-of-range read.
-        pick = tl.minimum(tl.min(tl.where(left == best, cols, BLOCK_E), 0), E - 1)
-        top_w = tl.where(kk == i, best, top_w)
-        top_id = tl.where(kk == i, pick, top_id)
-        left = tl.where(cols == pick, -2.0, left)
+        best = tl.max(keys, 0)
+        high = best >> 32
+        top_w = tl.where(kk == i, high.to(tl.int32).to(tl.float32, bitcast=True), top_w)
+        top_id = tl.where(kk == i, (E - 1 - (best - (high << 32))).to(tl.int32), top_id)
+        keys = tl.where(keys == best, -(1 << 62), keys)  # picked: below every other key
     if RENORMALIZE:
         top_w = top_w / tl.sum(top_w, 0)
     tl.store(weights_ptr + out + kk, top_w, mask=kk < TOP_K)

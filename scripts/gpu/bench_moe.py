@@ -137,7 +137,9 @@ GEMV_TILES = [(n, k, False) for n in (2, 4, 8, 16) for k in (128, 256, 512, 1024
 GEMV_LAUNCH = [(w, s) for w in (2, 4, 8) for s in (1, 2, 3, 4)]
 GROUPED_TILES = [(n, k) for n in (64, 128) for k in (64, 128)]
 GROUPED_LAUNCH = [(w, s) for w in (4, 8) for s in (2, 3, 4)]
-ROUTER_TILES = [(e, h) for e in (4, 8, 16, 32) for h in (128, 256, 512)]
+# logits a program, then columns a load: a Qwen3-30B-A3B row (2048) in one or two loads has no round trips in series
+ROUTER_TILES = [(e, h) for e in (4, 8, 16, 32) for h in (128, 256, 512)] + \
+    [(e, h) for e in (2, 4, 8) for h in (1024, 2048)]  # fmt: skip
 ROUTER_LAUNCH = [(w, 0) for w in (1, 2, 4, 8)]  # num_warps; the router has no pipelined stages to pick
 
 

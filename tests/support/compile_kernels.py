@@ -106,6 +106,10 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
             out.append((f"rotate_and_write_kv {dtype} -> {cache_dtype}",
                         lambda q=q, k=k, kc=kc, cos=cos, pos=pos, s=scale: rotary.rotate_and_write_kv(
                             q, k, k.clone(), cos, cos, pos, kc, kc.clone(), pos, s, s)))  # fmt: skip
+            out.append((f"rotate_and_write_kv {dtype} -> {cache_dtype}, q/k norms",
+                        lambda q=q, k=k, kc=kc, cos=cos, pos=pos, s=scale: rotary.rotate_and_write_kv(
+                            q, k, k.clone(), cos, cos, pos, kc, kc.clone(), pos, s, s,
+                            qk_norm=rotary.QKNorm(q[0, 0].clone(), q[0, 0].clone(), 1e-6))))  # fmt: skip
             out.append((f"rotate_and_write_kv {dtype} -> {cache_dtype}, q_out",
                         lambda q=q, k=k, kc=kc, cos=cos, pos=pos, s=scale: rotary.rotate_and_write_kv(
                             q, k, k.clone(), cos, cos, pos, kc, kc.clone(), pos, s, s, q_out=q.clone())))  # fmt: skip

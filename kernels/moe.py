@@ -10,7 +10,8 @@ Experts: w13 [E, 2I, H] holds each expert's gate rows then its up rows, w2 [E, H
 16-bit, or FP8 e4m3 codes with per-output-channel float32 scales ([E, 2I] and [E, H]). The T*k
 (token, expert) pairs are multiplied in two shapes of kernel:
 - Grouped (prefills): `moe_align` sorts the pairs by expert and pads each expert's group to BLOCK_M rows
-  with static sizes (no host sync: the step can be captured in a CUDA graph), then one grouped GEMM per
+  with static sizes (no host sync: the step can be captured in a CUDA graph; two launches over chunks of
+  pairs, whatever their number), then one grouped GEMM per
   projection, each program taking BLOCK_M rows of one expert and a BLOCK_N slice of its outputs. The
   first reads the expert's gate and up rows together and writes SiLU(gate) * up per pair; the second
   multiplies the routing weight in.
@@ -206,9 +207,8 @@ def route_topk_reference(logits: torch.Tensor, top_k: int, renormalize: bool) ->
 # ---------------------------------------------------------------- grouping pairs by expert
 
 
-# moe_align runs as one Triton program (_align_kernel) up to this many pairs (a decode step of 512 tokens
-# at top-8): a sort of the pairs in registers instead of about 25 small torch kernels a layer.
-ALIGN_MAX_PAIRS = 4096
+# moe_align's chunk of pairs a program: each program sorts its chunk in registers.
+ALIGN_CHUNK = 256
 
 
 def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,56 +216,89 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.
     p // k's choice p % k. Each expert's pairs are contiguous, in pair order, and its group padded to
     block_m rows with the pair count T*k (a row the kernels skip); blocks past the last group have expert
     -1. The sizes depend on T, k and E only: at most one non-empty block per pair, and at most one padded
-    block per expert. One kernel up to ALIGN_MAX_PAIRS pairs, else moe_align_reference (torch)."""
-    if not (ids.is_cuda or INTERPRETING) or not 0 < ids.numel() <= ALIGN_MAX_PAIRS:
+    block per expert. Two launches over chunks of ALIGN_CHUNK pairs (_align_count_kernel, then
+    _align_place_kernel); moe_align_reference (torch) off CUDA."""
+    if not (ids.is_cuda or INTERPRETING) or ids.numel() == 0:
         return moe_align_reference(ids, num_experts, block_m)
-    return align_in_one_program(ids, num_experts, block_m)
+    return align_in_chunks(ids, num_experts, block_m)
 
 
-def align_in_one_program(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """moe_align's kernel (1 to ALIGN_MAX_PAIRS pairs)."""
-    flat = ids.reshape(-1)
+def align_in_chunks(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe_align's kernels (at least one pair)."""
+    flat = ids.reshape(-1).to(torch.int32).contiguous()
     pairs = flat.numel()
     blocks = min(pairs, triton.cdiv(pairs, block_m) + num_experts)
+    chunks = triton.cdiv(pairs, ALIGN_CHUNK)
+    bins = next_power_of_2(num_experts + 1)
     sorted_ids = torch.empty(blocks * block_m, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=ids.device)
-    block_p = next_power_of_2(pairs)
-    _align_kernel[(1,)](
-        flat.to(torch.int32).contiguous(), sorted_ids, block_expert, pairs, num_experts, blocks,
-        BLOCK_M=block_m, BLOCK_P=block_p, BINS=next_power_of_2(num_experts + 1), CHUNK=64,
-        num_warps=4 if block_p <= 1024 else 8 if block_p <= 2048 else 16, **pdl_options(),
-    )  # fmt: skip
+    before = torch.empty(chunks, bins, dtype=torch.int32, device=ids.device)  # counts, then the chunk's offsets
+    common = dict(BLOCK_M=block_m, CHUNK=ALIGN_CHUNK, BINS=bins, num_warps=4, **pdl_options())
+    _align_count_kernel[(chunks,)](flat, sorted_ids, block_expert, before, arrival_counts(ids.device, 1), pairs,
+                                   num_experts, blocks, chunks, **common)  # fmt: skip
+    _align_place_kernel[(chunks,)](flat, sorted_ids, before, pairs, num_experts, **common)
     return sorted_ids, block_expert
 
 
 @triton.jit
-def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, P, E, BLOCKS, BLOCK_M: tl.constexpr,
-                  BLOCK_P: tl.constexpr, BINS: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
-    """moe_align in one program: the pairs sorted by (expert, pair) in registers, each expert's start and
-    padded start from its count, and every row written: the padding, then the pairs over it."""
-    wait_for_predecessor(USE_PDL)  # the expert ids
-    i = tl.arange(0, BLOCK_P)
-    ex = tl.load(ids_ptr + i, mask=i < P, other=E)  # past the pairs: bin E, sorted last
-    key = tl.sort(ex * BLOCK_P + i)  # by expert, then by pair: a stable order
-    ex_s = key // BLOCK_P
+def _chunk_ids(ids_ptr, c, P, E, CHUNK: tl.constexpr):
+    """Chunk c's expert ids (E past the last pair: a bin no expert has) and their positions in it."""
+    i = tl.arange(0, CHUNK)
+    return tl.load(ids_ptr + c * CHUNK + i, mask=c * CHUNK + i < P, other=E), i
+
+
+@triton.jit
+def _align_count_kernel(ids_ptr, sorted_ptr, block_expert_ptr, before_ptr, arrivals_ptr, P, E, BLOCKS, CHUNKS,
+                        BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BINS: tl.constexpr,
+                        USE_PDL: tl.constexpr):  # fmt: skip
+    """Program c counts chunk c's pairs by expert and pads its share of the rows. The last to finish turns
+    the counts into where each chunk's pairs of an expert start (each expert's padded start plus the
+    chunk's before it) and writes every block's expert."""
+    c = tl.program_id(0)
+    wait_for_predecessor(USE_PDL)  # the expert ids (and no store before it: the outputs are fresh memory)
+    rows = BLOCKS * BLOCK_M
+    share = tl.cdiv(rows, CHUNKS)
+    for r0 in range(c * share, tl.minimum(rows, (c + 1) * share), CHUNK):
+        r = r0 + tl.arange(0, CHUNK)
+        tl.store(sorted_ptr + r, tl.full((CHUNK,), 0, tl.int32) + P, mask=(r < rows) & (r < (c + 1) * share))
+    ex, _ = _chunk_ids(ids_ptr, c, P, E, CHUNK)
     bins = tl.arange(0, BINS)
-    counts = tl.where(bins < E, tl.histogram(ex, BINS), 0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, 0)
+    tl.store(before_ptr + c * BINS + bins, tl.histogram(ex, BINS))
+    if last_to_arrive(arrivals_ptr, CHUNKS):
+        running = tl.zeros((BINS,), dtype=tl.int32)
+        for cc in range(CHUNKS):  # the counts -> the chunks' running sums before them
+            counts = tl.load(before_ptr + cc * BINS + bins, cache_modifier=".cg")
+            tl.store(before_ptr + cc * BINS + bins, running)
+            running += counts
+        counts = tl.where(bins < E, running, 0)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        ends = tl.cumsum(padded, 0)
+        for cc in range(CHUNKS):  # + each expert's padded start
+            at = before_ptr + cc * BINS + bins
+            tl.store(at, tl.load(at) + ends - padded)
+        # block b's expert: how many groups end at or before its first row (E for the blocks past them all)
+        for b0 in range(0, BLOCKS, CHUNK):
+            b = b0 + tl.arange(0, CHUNK)
+            done = tl.sum(((ends[None, :] <= (b * BLOCK_M)[:, None]) & (bins[None, :] < E)).to(tl.int32), 1)
+            tl.store(block_expert_ptr + b, tl.where(done < E, done, -1), mask=b < BLOCKS)
+
+
+@triton.jit
+def _align_place_kernel(ids_ptr, sorted_ptr, before_ptr, P, E, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+                        BINS: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+    """Program c writes chunk c's pair ids to their rows: its chunk sorted by (expert, pair) in registers,
+    each pair at its chunk's start for the expert plus its rank among the chunk's pairs of that expert."""
+    c = tl.program_id(0)
+    wait_for_predecessor(USE_PDL)  # the offsets
+    ex, i = _chunk_ids(ids_ptr, c, P, E, CHUNK)
+    key = tl.sort(ex * CHUNK + i)  # by expert, then by pair: a stable order
+    ex_s = key // CHUNK
+    counts = tl.histogram(ex, BINS)
     ok = ex_s < E
     at = tl.where(ok, ex_s, 0)
-    dest = tl.gather(ends - padded, at, 0) + i - tl.gather(tl.cumsum(counts, 0) - counts, at, 0)
-    rows = BLOCKS * BLOCK_M
-    for r0 in range(0, rows, CHUNK * BLOCK_M):
-        r = r0 + tl.arange(0, CHUNK * BLOCK_M)
-        tl.store(sorted_ptr + r, tl.full((CHUNK * BLOCK_M,), 0, tl.int32) + P, mask=r < rows)
-    tl.debug_barrier()  # the padding stored before the pairs overwrite theirs (other threads' stores)
-    tl.store(sorted_ptr + tl.where(ok, dest, 0), key % BLOCK_P, mask=ok)
-    # block b's expert: how many groups end at or before its first row (E for the blocks past them all)
-    for b0 in range(0, BLOCKS, CHUNK):
-        b = b0 + tl.arange(0, CHUNK)
-        done = tl.sum(((ends[None, :] <= (b * BLOCK_M)[:, None]) & (bins[None, :] < E)).to(tl.int32), 1)
-        tl.store(block_expert_ptr + b, tl.where(done < E, done, -1), mask=b < BLOCKS)
+    start = tl.load(before_ptr + c * BINS + at, mask=ok, other=0)
+    dest = start + i - tl.gather(tl.cumsum(counts, 0) - counts, at, 0)
+    tl.store(sorted_ptr + tl.where(ok, dest, 0), c * CHUNK + key % CHUNK, mask=ok)
 
 
 def moe_align_reference(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:

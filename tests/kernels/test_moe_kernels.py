@@ -82,9 +82,11 @@ def test_align_groups_pairs_by_expert() -> None:
     assert sorted(seen) == list(range(pairs))  # every pair exactly once
 
 
-@pytest.mark.parametrize(("t", "k", "e", "block_m"), [(37, 3, 10, 4), (8, 8, 128, 16), (1, 2, 8, 16), (50, 2, 5, 2)])
+# 100 x 8: 800 pairs, four chunks of ALIGN_CHUNK (256)
+@pytest.mark.parametrize(("t", "k", "e", "block_m"), [(37, 3, 10, 4), (8, 8, 128, 16), (1, 2, 8, 16), (50, 2, 5, 2),
+                                                      (100, 8, 128, 16)])  # fmt: skip
 def test_align_kernel_equals_the_torch_reference(t: int, k: int, e: int, block_m: int) -> None:
-    """The one-program align (a sort in registers) writes exactly what the torch version does: the same
+    """The align kernels (chunks sorted in registers) write exactly what the torch version does: the same
     order within each expert (pair order), padding and block experts; a skewed draw leaves experts empty."""
     g = torch.Generator().manual_seed(t + e)
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(torch.int32)

@@ -143,9 +143,8 @@ def moe_cases(moe) -> list[tuple[str, Callable[[], object]]]:  # noqa: ANN001
         x, router = torch.zeros(tokens, h, dtype=dtype), torch.zeros(e, h, dtype=dtype)
         out.append((f"route_linear_topk {dtype}", lambda x=x, w=router: moe.route_linear_topk(x, w, k, True)))
     weights, ids = torch.ones(tokens, k), torch.zeros(tokens, k, dtype=torch.int32)
-    for pairs in (12, moe.ALIGN_MAX_PAIRS):  # the sort's smallest size and warps, and its largest
-        flat = torch.zeros(pairs, 1, dtype=torch.int32)
-        out.append((f"moe_align {pairs} pairs", lambda f=flat: moe.align_in_one_program(f, 128, 16)))
+    flat = torch.zeros(600, 1, dtype=torch.int32)
+    out.append(("moe_align", lambda f=flat: moe.align_in_chunks(f, 128, 16)))
     for w_dtype in (*HALF_TYPES, FP8):
         w13, w2 = torch.zeros(e, 2 * inter, h).to(w_dtype), torch.zeros(e, h, inter).to(w_dtype)
         scales = (torch.ones(e, 2 * inter), torch.ones(e, h)) if w_dtype == FP8 else (None, None)

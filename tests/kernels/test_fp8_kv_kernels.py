@@ -115,11 +115,12 @@ def decode_case(dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
 # bfloat16 queries too: the decode kernel multiplies float16 operands for an FP8 cache.
 @pytest.mark.parametrize("dtype", [*INTERPRETED_DTYPES, torch.bfloat16])
 @pytest.mark.parametrize(("k_scale", "v_scale"), SCALES)
-def test_decode_reads_an_fp8_cache(dtype: torch.dtype, k_scale: float, v_scale: float) -> None:
+@pytest.mark.parametrize("splits", [3, 1])  # one piece: the longer FP8 tile (FP8_WHOLE_BLOCK_N)
+def test_decode_reads_an_fp8_cache(dtype: torch.dtype, k_scale: float, v_scale: float, splits: int) -> None:
     q, k, v, table, seq_lens = decode_case(dtype, seed=5)
     dim = q.shape[-1]
     out = torch.full_like(q, float("nan"))
-    paged_decode_attention(q, k, v, table, seq_lens, dim**-0.5, 3, out=out, k_scale=k_scale, v_scale=v_scale)
+    paged_decode_attention(q, k, v, table, seq_lens, dim**-0.5, splits, out=out, k_scale=k_scale, v_scale=v_scale)
     ref = paged_decode_attention_reference(q, k, v, table, seq_lens, dim**-0.5, k_scale, v_scale)
     assert not out.isnan().any()
     assert rel_err(out, ref) < REL_TOL[dtype]

@@ -117,9 +117,10 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
                         lambda q=qm, k=km, kc=kc, cos=cos, pos=pm, s=scale: rotary.rotate_and_write_kv(
                             q, k, k.clone(), cos, cos, pos, kc, kc.clone(), pos, s, s)))  # fmt: skip
             dq = torch.zeros(2, heads, dim, dtype=dtype)
-            out.append((f"decode_attention {dtype} / {cache_dtype}",
-                        lambda dq=dq, kc=kc, s=scale: decode_attention.paged_decode_attention(
-                            dq, kc, kc.clone(), table, lens, 0.1, 3, k_scale=s, v_scale=s)))  # fmt: skip
+            for splits in (3, 1):  # one piece: an FP8 cache's longer tile
+                out.append((f"decode_attention {dtype} / {cache_dtype}, {splits} pieces",
+                            lambda dq=dq, kc=kc, s=scale, n=splits: decode_attention.paged_decode_attention(
+                                dq, kc, kc.clone(), table, lens, 0.1, n, k_scale=s, v_scale=s)))  # fmt: skip
             cu = torch.tensor([0, 1, 3], dtype=torch.int32)
             out.append((f"prefill_attention {dtype} / {cache_dtype}",
                         lambda q=q, kc=kc, cu=cu, s=scale: prefill_attention.paged_prefill_attention(

@@ -11,7 +11,7 @@ Experts: w13 [E, 2I, H] holds each expert's gate rows then its up rows, w2 [E, H
 (token, expert) pairs are multiplied in two shapes of kernel:
 - Grouped (prefills): `moe_align` sorts the pairs by expert and pads each expert's group to BLOCK_M rows
   with static sizes (no host sync: the step can be captured in a CUDA graph; two launches over chunks of
-  pairs, whatever their number), then one grouped GEMM per
+  pairs up to ALIGN_MAX_PAIRS), then one grouped GEMM per
   projection, each program taking BLOCK_M rows of one expert and a BLOCK_N slice of its outputs. The
   first reads the expert's gate and up rows together and writes SiLU(gate) * up per pair; the second
   multiplies the routing weight in.
@@ -207,8 +207,12 @@ def route_topk_reference(logits: torch.Tensor, top_k: int, renormalize: bool) ->
 # ---------------------------------------------------------------- grouping pairs by expert
 
 
-# moe_align's chunk of pairs a program: each program sorts its chunk in registers.
+# moe_align's chunk of pairs a program: each program sorts its chunk in registers. The kernels run up to
+# ALIGN_MAX_PAIRS pairs (a decode step of 2,048 tokens at top-8), the torch version beyond: one program
+# turns every chunk's counts into offsets one chunk after another, which at a prefill's 131,072 pairs
+# (512 chunks) is no longer cheap.
 ALIGN_CHUNK = 256
+ALIGN_MAX_PAIRS = 64 * ALIGN_CHUNK
 
 
 def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -217,14 +221,14 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.
     block_m rows with the pair count T*k (a row the kernels skip); blocks past the last group have expert
     -1. The sizes depend on T, k and E only: at most one non-empty block per pair, and at most one padded
     block per expert. Two launches over chunks of ALIGN_CHUNK pairs (_align_count_kernel, then
-    _align_place_kernel); moe_align_reference (torch) off CUDA."""
-    if not (ids.is_cuda or INTERPRETING) or ids.numel() == 0:
+    _align_place_kernel) up to ALIGN_MAX_PAIRS pairs, else moe_align_reference (torch)."""
+    if not (ids.is_cuda or INTERPRETING) or not 0 < ids.numel() <= ALIGN_MAX_PAIRS:
         return moe_align_reference(ids, num_experts, block_m)
     return align_in_chunks(ids, num_experts, block_m)
 
 
 def align_in_chunks(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """moe_align's kernels (at least one pair)."""
+    """moe_align's kernels (1 to ALIGN_MAX_PAIRS pairs)."""
     flat = ids.reshape(-1).to(torch.int32).contiguous()
     pairs = flat.numel()
     blocks = min(pairs, triton.cdiv(pairs, block_m) + num_experts)

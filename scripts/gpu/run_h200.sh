@@ -75,7 +75,8 @@
 #   moe_offline_1000         1000 requests of 1000 in / 1000 out on Qwen3-30B-A3B, bf16, triton attention, MOE_SEQS
 #                            (256) running; MOE_REQUESTS fewer requests for a shorter run
 #   moe_offline_1000_fp8kv   the same with an FP8 KV cache and MOE_FP8KV_SEQS (512) running; MOE_PROFILE_STEPS
-#                            (e.g. 1500:12) profiles a window of either run's steps
+#                            (e.g. 1500:12) profiles a window of either run's steps; MOE_ATTN=flashinfer runs
+#                            both on flashinfer (xqa decode over an FP8 cache) after its JIT build
 # A stage that cannot finish before DEADLINE is skipped rather than cut (offline_1000*), so give each
 # 1000-request stage a device call of its own unless the estimates above add up.
 set -uo pipefail
@@ -137,6 +138,10 @@ if [ -z "${NO_WARM:-}" ]; then
   WARM=$!
 fi
 
+MOE_ATTN=${MOE_ATTN:-triton}  # the MoE offline stages' attention backend
+moe_attention_ready() {  # flashinfer's kernels come from the background build
+  [ "$MOE_ATTN" != flashinfer ] || wait $WARM
+}
 MOE_TUNE_BUDGET=${MOE_TUNE_BUDGET:-280}  # seconds of tuning: the larger token counts left are skipped
 DEADLINE=${DEADLINE:-260}  # seconds: no stage starts after it, none runs past it (the device call's limit)
 stage() {  # stage NAME TIMEOUT CMD...: run, log, record the exit status; the log's tail if it failed
@@ -233,13 +238,13 @@ for s in $STAGES; do
         --output-len 160 --max-num-seqs 1 --profile-steps 100:20 --no-pdl --json "$RUN/moe_profile.json" ;;
     # 1000 x (1000 in / 1000 out): a Qwen3-30B-A3B KV token is 48 layers x 4 heads x 128 x 2 x 2 bytes =
     # 96 KiB; the ~60 GiB the 61 GB of weights leave at 0.9 hold ~650k tokens, 320 requests at 2000.
-    moe_offline_1000) fits moe_offline_1000 200 && stage moe_offline_1000 420 python3 -m app.bench.offline \
-        --model configs/models/qwen3-30b-a3b --load-format dummy --dtype bfloat16 --attention-backend triton \
+    moe_offline_1000) moe_attention_ready && fits moe_offline_1000 200 && stage moe_offline_1000 420 python3 -m app.bench.offline \
+        --model configs/models/qwen3-30b-a3b --load-format dummy --dtype bfloat16 --attention-backend "$MOE_ATTN" \
         --num-requests "${MOE_REQUESTS:-1000}" --input-len 1000 --output-len 1000 --max-num-seqs "${MOE_SEQS:-256}" \
         --chunked-prefill-size 8192 --json "$RUN/moe_offline_1000.json" ${MOE_PROFILE_STEPS:+--profile-steps "$MOE_PROFILE_STEPS"} ;;
     # The same with an FP8 KV cache (48 KiB a token): 512 requests at their full 2000 tokens fit.
-    moe_offline_1000_fp8kv) fits moe_offline_1000_fp8kv 200 && stage moe_offline_1000_fp8kv 420 python3 -m app.bench.offline \
-        --model configs/models/qwen3-30b-a3b --load-format dummy --dtype bfloat16 --attention-backend triton \
+    moe_offline_1000_fp8kv) moe_attention_ready && fits moe_offline_1000_fp8kv 200 && stage moe_offline_1000_fp8kv 420 python3 -m app.bench.offline \
+        --model configs/models/qwen3-30b-a3b --load-format dummy --dtype bfloat16 --attention-backend "$MOE_ATTN" \
         --num-requests "${MOE_REQUESTS:-1000}" --input-len 1000 --output-len 1000 --max-num-seqs "${MOE_FP8KV_SEQS:-512}" \
         --max-cudagraph-capture-size "${MOE_FP8KV_SEQS:-512}" --kv-cache-dtype fp8_e4m3 --chunked-prefill-size 16384 \
         --json "$RUN/moe_offline_1000_fp8kv.json" ${MOE_PROFILE_STEPS:+--profile-steps "$MOE_PROFILE_STEPS"} ;;

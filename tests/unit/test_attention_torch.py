@@ -113,6 +113,25 @@ def test_decode_groups_split_by_budget_give_the_same_result() -> None:
         torch.testing.assert_close(out[b : b + 1], expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("lengths", [[17, 17, 17], [5, 40, 9]])
+def test_one_group_of_every_row_attends_in_place(lengths: list[int]) -> None:
+    """A step of decodes alone in one group: no gather of the queries nor scatter of the output, and on
+    the CPU no mask at all when no sequence is padded (else -inf past each length, made once a step)."""
+    seqs = Sequences(lengths, block_size=4, seed=5)
+    seqs.fill_prefix(0, [n - 1 for n in lengths])
+    batch = build_attention_batch(seqs.table_tensor(), [1] * len(lengths), lengths, 4)
+    q = torch.randn(len(lengths), HEADS, DIM, generator=seqs.gen)
+    k = torch.stack([kk[-1] for kk in seqs.k])
+    v = torch.stack([vv[-1] for vv in seqs.v])
+    meta = seqs.backend.plan(batch)
+    (group,) = meta.decode_groups
+    assert group.whole and (group.additive is None) == (len(set(lengths)) == 1)
+    out = seqs.backend.forward(0, q, k, v, meta)
+    for b in range(len(lengths)):
+        expected = naive_attention(q[b : b + 1], seqs.k[b], seqs.v[b], SPEC.scale)
+        torch.testing.assert_close(out[b : b + 1], expected, atol=1e-5, rtol=1e-5)
+
+
 def test_bf16_decodes_match_dense_attention() -> None:
     """On the CPU bf16 decodes attend in float32 (SDPA's bf16 kernel is the slower there), in groups of
     at most CPU_DECODE_GROUP_TOKENS padded tokens."""

@@ -16,8 +16,9 @@ from safetensors.torch import save
 from app import protocol as p
 from app.protocol import NewSeq, SamplingParams, SeqChunk, StepPlan
 from app.worker.layers import SHARD_ROWS, LMHead, VocabEmbedding, cpu_weights
+from app.worker.layers import linear as linear_module
 from app.worker.layers.cpu_weights import packs, plain_weights, use_cpu_weight_layout
-from app.worker.layers.linear import GateUpLinear, Linear
+from app.worker.layers.linear import FP16_MAX_ROWS, GateUpLinear, Linear, fp16_linear
 from app.worker.loader import load_hf_config, load_weights
 from app.worker.loader.updates import UpdateError, WeightControl
 from app.worker.loader.weights import load_tensors
@@ -147,6 +148,76 @@ def test_plain_weights_unpacks_exactly_and_packs_again() -> None:
     assert model[0].weight.is_mkldnn
     plain[:4] = 1.0
     assert torch.equal(model[0].weight.to_dense(), plain)
+
+
+def mlp_and_attention(dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    """Linears under the names a dense layer gives them."""
+    mlp = torch.nn.ModuleDict({"gate_up_proj": GateUpLinear(64, 48, False, dtype), "down_proj": Linear(48, 64, True, dtype)})
+    attention = torch.nn.ModuleDict({"o_proj": Linear(64, 64, False, dtype)})
+    return filled(torch.nn.ModuleDict({"mlp": mlp, "self_attn": attention}))
+
+
+fp16_copies = pytest.mark.skipif(not cpu_weights.fp16_copies_available(), reason="this torch has no fbgemm")
+
+
+@native_bf16
+@fp16_copies
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
+def test_the_mlp_linears_multiply_small_batches_by_an_fp16_copy(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Up to FP16_MAX_ROWS rows, the MLP's linears multiply by fbgemm's fp16 copy, within bf16 rounding of
+    the oneDNN weight (both sum in float32 and round once); more rows, and the other linears, by oneDNN."""
+    model = mlp_and_attention()
+    use_cpu_weight_layout(model)
+    gate_up, down, o_proj = model["mlp"]["gate_up_proj"], model["mlp"]["down_proj"], model["self_attn"]["o_proj"]
+    assert gate_up.fp16 is not None and down.fp16 is not None and o_proj.fp16 is None
+    assert gate_up.weight.is_mkldnn and down.weight.is_mkldnn  # the oneDNN weight stays for larger steps
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    h = torch.randn(rows, 48, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    calls = []
+    monkeypatch.setattr(linear_module, "fp16_linear", lambda *a: calls.append(1) or fp16_linear(*a))
+    got_gate_up, got_down, _ = gate_up(x), down(h), o_proj(x)
+    assert len(calls) == (2 if rows <= FP16_MAX_ROWS else 0)
+    monkeypatch.setattr(linear_module, "FP16_MAX_ROWS", 0)
+    assert close_in_bf16(got_gate_up, gate_up(x)) and close_in_bf16(got_down, down(h))
+    assert got_down.dtype == torch.bfloat16
+
+
+@native_bf16
+@fp16_copies
+@pytest.mark.parametrize("value", [1e-6, 7e4])
+def test_no_fp16_copy_of_a_weight_fp16_cannot_hold(value: float) -> None:
+    """A bf16 value below fp16's normal range or beyond its largest would change in the copy: none is made."""
+    model = mlp_and_attention()
+    with torch.no_grad():
+        model["mlp"]["down_proj"].weight[3, 5] = value
+    use_cpu_weight_layout(model)
+    assert model["mlp"]["down_proj"].fp16 is None and model["mlp"]["down_proj"].weight.is_mkldnn
+    assert model["mlp"]["gate_up_proj"].fp16 is not None
+
+
+def test_no_fp16_copy_without_fbgemm_or_in_float32(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = mlp_and_attention(torch.float32)
+    use_cpu_weight_layout(model)
+    assert all(m.fp16 is None for m in model.modules() if isinstance(m, Linear))
+    if packs(torch.bfloat16):
+        monkeypatch.setattr(cpu_weights, "fp16_copies_available", lambda: False)
+        model = mlp_and_attention()
+        use_cpu_weight_layout(model)
+        assert model["mlp"]["down_proj"].weight.is_mkldnn and model["mlp"]["down_proj"].fp16 is None
+
+
+@native_bf16
+@fp16_copies
+def test_plain_weights_makes_the_fp16_copies_again_from_the_update() -> None:
+    model = mlp_and_attention()
+    use_cpu_weight_layout(model)
+    down = model["mlp"]["down_proj"]
+    with plain_weights(model):
+        assert down.fp16 is None and model["mlp"]["gate_up_proj"].fp16 is None
+        down.weight.data.fill_(0.5)
+    assert down.fp16 is not None and model["self_attn"]["o_proj"].fp16 is None
+    h = torch.ones(1, 48, dtype=torch.bfloat16)
+    assert torch.equal(down(h), (24.0 + down.bias.detach().float()).to(torch.bfloat16).unsqueeze(0))
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from app.worker.attention import build_attention_batch, make_attention_backend
 from app.worker.kv_cache import KVCache
-from app.worker.layers import RotaryEmbedding
+from app.worker.layers import Rope, RotaryEmbedding
 from app.worker.layers.rotary import RopeSpec, inverse_frequencies, rope_spec_from_config
 from app.worker.loader import load_hf_config, load_weights
 from app.worker.models import SUPPORTED_ARCHITECTURES, UnsupportedModelError, model_class_for
@@ -157,6 +157,24 @@ def test_rotary_table_applies_attention_scaling() -> None:
     _, scale = inverse_frequencies(spec)
     assert scale > 1.0
     torch.testing.assert_close(rope.cos[0], torch.full((4,), scale))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rotary_equals_transformers_bit_for_bit(dtype: torch.dtype) -> None:
+    """The CPU's rotation (one roll against [-sin, sin]) rounds as transformers' rotate_half form does."""
+    spec = RopeSpec(head_dim=64, theta=10000.0, max_position_embeddings=512)
+    rotary = RotaryEmbedding(spec, 512)
+    positions = torch.tensor([0, 3, 130, 511])
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(4, 9, 64, generator=gen).to(dtype)
+    k = torch.randn(4, 3, 64, generator=gen).to(dtype)
+    rope = Rope(rotary, positions, dtype)
+    got_q, got_k = rope.apply(q, k)
+    half_cos = rotary.cos.index_select(0, positions).to(dtype)
+    half_sin = rotary.sin.index_select(0, positions).to(dtype)
+    cos, sin = torch.cat((half_cos, half_cos), -1), torch.cat((half_sin, half_sin), -1)
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
 
 
 def test_unknown_architecture_lists_the_supported_ones() -> None:

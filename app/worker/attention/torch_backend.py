@@ -50,7 +50,10 @@ class _DecodeGroup:
     rows: torch.Tensor  # [G] token rows (one new token per sequence)
     ctx_slots: torch.Tensor  # [G, Lmax] KV slots, padded
     padding: torch.Tensor  # [G, 1, 1, Lmax] bool: True past a sequence's length
-    keep: torch.Tensor  # its negation, the mask SDPA takes (True: attended)
+    # The CPU's SDPA mask, made once a step rather than by SDPA in every layer: 0 where attended and
+    # -inf past a sequence's length, float32 (the CPU attends in float32); None where no row is padded.
+    additive: torch.Tensor | None
+    whole: bool  # the group is every row of the step, in order: no gather of its queries, no scatter back
 
 
 @dataclass
@@ -123,9 +126,14 @@ class TorchAttentionBackend(AttentionBackend):
         longest = max(batch.seq_lens[b] for b in group)
         slots = self._context_slots(batch, idx, longest)
         padding = torch.arange(longest, device=device).unsqueeze(0) >= lens.unsqueeze(1)
-        rows = torch.tensor([batch.query_start_loc[b] for b in group], device=device)
+        starts = [batch.query_start_loc[b] for b in group]
+        rows = torch.tensor(starts, device=device)
         padding = padding[:, None, None, :]
-        return _DecodeGroup(rows, slots, padding, ~padding)
+        additive = None
+        if device.type == "cpu" and any(batch.seq_lens[b] != longest for b in group):
+            additive = torch.zeros(padding.shape, device=device).masked_fill_(padding, float("-inf"))
+        whole = starts == list(range(batch.query_start_loc[-1]))
+        return _DecodeGroup(rows, slots, padding, additive, whole)
 
     def forward(
         self,
@@ -148,6 +156,10 @@ class TorchAttentionBackend(AttentionBackend):
         # q . (K * k_scale) == (q * k_scale) . K and softmax(s) @ (V * v_scale) == (softmax(s) @ V) * v_scale.
         if k_scale != 1.0:
             q = q * k_scale
+        groups = meta.decode_groups
+        if len(groups) == 1 and groups[0].whole and q.shape[0] == groups[0].rows.numel():  # decodes alone
+            out = self._attend_decodes(q, k_cache, v_cache, groups[0])
+            return out if v_scale == 1.0 else out * v_scale
         out = torch.empty_like(q)
         for p in meta.prefills:
             out[p.start : p.end] = self._attend_prefill(q[p.start : p.end], k_cache, v_cache, p)
@@ -196,7 +208,7 @@ class TorchAttentionBackend(AttentionBackend):
         values = v_cache.index_select(0, flat).view(shape).to(dtype)
         if cpu:
             out = F.scaled_dot_product_attention(
-                q.unsqueeze(2).to(dtype), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=g.keep,
+                q.unsqueeze(2).to(dtype), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=g.additive,
                 scale=self.spec.scale, enable_gqa=True,
             )  # [G, Hq, 1, D]
             return out.squeeze(2).to(q.dtype)

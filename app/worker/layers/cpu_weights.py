@@ -4,8 +4,14 @@
   weight, and the LM head's, prepacked by oneDNN into its blocked layout, which its linear reads
   at 1.5-2x F.linear's speed at decode sizes (F.linear on a plain bf16 weight runs far below the
   memory bandwidth). The packed tensor replaces the parameter (same shape, same attributes), so the
-  model holds one copy; a tied LM head gets its own packed copy, as the embedding lookup needs the
+  model holds one oneDNN copy; a tied LM head gets its own packed copy, as the embedding lookup needs the
   plain table (vocab x hidden more bytes).
+  The MLP's linears (`wants_fp16_copy`) also keep a copy packed by fbgemm as fp16 (`fp16`), where
+  fbgemm is built in and every value of the weight is exactly an fp16 (a bf16 checkpoint's are, unless
+  beyond fp16's narrower exponent range), which steps of up to FP16_MAX_ROWS rows (decodes of a few
+  sequences) multiply by instead: fbgemm streams it faster there, with the same float32 accumulation
+  and one rounding, and runs larger batches slower, so prefills and larger decodes keep the oneDNN
+  weight. The price is memory: fbgemm pads in_features to a multiple of 512 (`fp16_copy_bytes`).
 - Otherwise (float32, or no oneDNN packing in this torch build): each [out, in] weight stored as the
   transpose of a contiguous [in, out] tensor, which MKL multiplies faster (measured on an AVX2 host:
   decoder linears 1.3x at one row, 1.1x at a 128-token prefill).
@@ -17,6 +23,7 @@ afterwards.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 from collections.abc import Iterator
@@ -27,7 +34,7 @@ from torch import nn
 
 from app.worker.cpu_host import native_half
 from app.worker.layers.embedding import LMHead
-from app.worker.layers.linear import Linear
+from app.worker.layers.linear import FP16_MAX_ROWS, Linear
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +49,53 @@ def packing_available() -> bool:
         return bool(torch.equal(out, torch.full((2, 8), 16.0, dtype=torch.bfloat16)))
     except (AttributeError, RuntimeError, NotImplementedError):
         return False
+
+
+@functools.cache
+def fp16_copies_available() -> bool:
+    """Whether this torch build has fbgemm's fp16-weight linear (x86 builds)."""
+    try:
+        packed = torch.ops.quantized.linear_prepack_fp16(torch.ones(8, 16), None)
+        out = torch.ops.quantized.linear_dynamic_fp16(torch.ones(2, 16), packed)
+        return bool(torch.equal(out, torch.full((2, 8), 16.0)))
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def wants_fp16_copy(name: str) -> bool:
+    """Whether the linear of this qualified name gets an fp16 copy: the MLP's (gate_up, down), two
+    thirds of a decoder layer's weight bytes and of what the copies gain. The attention's linears and
+    the LM head gain as much per byte, but copies of every weight would take twice the MLP's memory
+    (fbgemm pads SmolLM2's 576 input features to 1024), more than the appliance's 1.5 GB goal leaves
+    (docs/performance.md, issue 36)."""
+    return ".mlp." in f".{name}."
+
+
+def fp16_copy_bytes(weight: torch.Tensor) -> int:
+    """The bytes of fbgemm's fp16 copy of an [out, in] weight (in_features padded to 512)."""
+    out_features, in_features = weight.shape
+    return 2 * out_features * -(-in_features // 512) * 512
+
+
+def fp16_copy(weight: torch.Tensor) -> torch.ScriptObject | None:
+    """fbgemm's fp16 copy of a plain [out, in] half weight, or None where some value is not exactly an
+    fp16 (a bf16 beyond fp16's range or below its normal one) or fbgemm is missing."""
+    if not fp16_copies_available():
+        return None
+    w = weight.detach()
+    if not torch.equal(w.to(torch.float16).to(w.dtype), w):
+        return None
+    return torch.ops.quantized.linear_prepack_fp16(w.float(), None)
+
+
+def _trim_heap() -> None:
+    """Give glibc's free heap pages back to the system after making fp16 copies: their float32
+    temporaries, freed between the packed weights, otherwise stay resident (about 30 MiB for SmolLM2;
+    without copies there is nothing to give back that the next steps would not reuse)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def packs(dtype: torch.dtype) -> bool:
@@ -63,10 +117,10 @@ def _replace(module: nn.Module, data: torch.Tensor) -> None:
     module.weight = new
 
 
-def _cpu_linears(model: nn.Module) -> Iterator[Linear]:
-    for module in model.modules():
+def _cpu_linears(model: nn.Module) -> Iterator[tuple[str, Linear]]:
+    for name, module in model.named_modules():
         if isinstance(module, Linear) and module.quant is None and module.weight.device.type == "cpu":
-            yield module
+            yield name, module
 
 
 def _cpu_heads(model: nn.Module) -> Iterator[LMHead]:
@@ -80,8 +134,11 @@ def transpose_layout(module: Linear) -> None:
     module.weight.data = module.weight.data.t().contiguous().t()
 
 
-def _pack_weight(module: Linear | LMHead) -> None:
-    """Pack the module's plain weight for oneDNN: in place of it, or beside it for a tied head."""
+def _pack_weight(module: Linear | LMHead, with_fp16: bool = False) -> None:
+    """Pack the module's plain weight for oneDNN: in place of it, or beside it for a tied head; and
+    make a linear's fp16 copy where asked and possible."""
+    if isinstance(module, Linear):
+        module.fp16 = fp16_copy(module.weight) if with_fp16 else None
     if isinstance(module, LMHead) and module.tied:
         module.packed = pack(module.weight)
     else:
@@ -90,13 +147,15 @@ def _pack_weight(module: Linear | LMHead) -> None:
 
 def use_cpu_weight_layout(model: nn.Module) -> int:
     """Bring the model's CPU linears (and LM head) to their run-time form; returns the layers changed."""
-    changed, packed_copy = 0, 0
+    changed, packed_copy, fp16_bytes = 0, 0, 0
     with torch.no_grad():
-        for module in _cpu_linears(model):
+        for name, module in _cpu_linears(model):
             if module.weight.is_mkldnn:
                 continue
             if packs(module.weight.dtype):
-                _pack_weight(module)
+                plain = module.weight
+                _pack_weight(module, wants_fp16_copy(name))
+                fp16_bytes += fp16_copy_bytes(plain) if module.fp16 is not None else 0
             else:
                 transpose_layout(module)
             changed += 1
@@ -110,6 +169,10 @@ def use_cpu_weight_layout(model: nn.Module) -> int:
     if packed_copy:
         log.info("the tied LM head multiplies by a oneDNN-packed copy of the embedding: +%.0f MiB",
                  packed_copy / 2**20)
+    if fp16_bytes:
+        _trim_heap()
+        log.info("steps of up to %d rows multiply by fbgemm's fp16 copies of the MLP's weights: +%.0f MiB",
+                 FP16_MAX_ROWS, fp16_bytes / 2**20)
     return changed
 
 
@@ -117,22 +180,25 @@ def use_cpu_weight_layout(model: nn.Module) -> int:
 def plain_weights(model: nn.Module) -> Iterator[None]:
     """Plain (strided) weights inside, for updates that write into them; packed again on the way out,
     whether the update succeeded or not."""
-    unpacked: list[nn.Module] = []
+    unpacked: list[tuple[nn.Module, bool]] = []  # and whether it had an fp16 copy, made again from the update
     with torch.no_grad():
-        for module in _cpu_linears(model):
+        for _, module in _cpu_linears(model):
             if module.weight.is_mkldnn:
+                unpacked.append((module, module.fp16 is not None))
+                module.fp16 = None
                 _replace(module, module.weight.to_dense())
-                unpacked.append(module)
         for head in _cpu_heads(model):
             if head.packed is not None:
                 head.packed = None
-                unpacked.append(head)
+                unpacked.append((head, False))
             elif head.weight.is_mkldnn:
                 _replace(head, head.weight.to_dense())
-                unpacked.append(head)
+                unpacked.append((head, False))
     try:
         yield
     finally:
         with torch.no_grad():
-            for module in unpacked:
-                _pack_weight(module)
+            for module, with_fp16 in unpacked:
+                _pack_weight(module, with_fp16)
+        if any(with_fp16 for _, with_fp16 in unpacked):
+            _trim_heap()

@@ -27,6 +27,10 @@ if TYPE_CHECKING:
 
 # Rows up to which a decode-sized matmul may run kernels/gemv.py (its MAX_M, which a test checks).
 GEMV_MAX_M = 16
+# Rows up to which a CPU linear with an fp16 copy of its weight (app/worker/layers/cpu_weights.py)
+# multiplies by that copy, through fbgemm, instead of the oneDNN-packed weight: fbgemm streams the
+# weight faster at one to four rows and slower from about six.
+FP16_MAX_ROWS = 4
 # Attribute set on fused parameters: {shard_id: (first_row, num_rows)}.
 SHARD_ROWS = "shard_rows"
 # Attributes a quantization method sets on its parameters: a callable(tensor, shard_id) that copies
@@ -99,6 +103,7 @@ class Linear(nn.Module):
     ) -> None:
         super().__init__()
         self.quant = quant
+        self.fp16: torch.ScriptObject | None = None  # fbgemm's fp16 copy of the weight, CPU only (FP16_MAX_ROWS)
         if quant is None:
             self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
         else:
@@ -122,6 +127,8 @@ class Linear(nn.Module):
             if config is not None:  # decode-sized, and kernels/gemv.py beat cuBLAS on this shape
                 y = gemv.gemv(x, self.weight, None, config)
                 return y if bias is None else y + bias
+        if self.fp16 is not None and x.dim() == 2 and x.shape[0] <= FP16_MAX_ROWS:
+            return fp16_linear(x, self.fp16, bias)
         return linear(x, self.weight, bias)
 
 
@@ -130,6 +137,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def fp16_linear(x: torch.Tensor, packed: torch.ScriptObject, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W.T (+ bias) by fbgemm's fp16 copy of W (`cpu_weights.fp16_copy`): float32 input, float32
+    accumulation and bias, rounded once to x's dtype, as oneDNN's half-precision linear rounds."""
+    out = torch.ops.quantized.linear_dynamic_fp16(x.float(), packed)
+    if bias is not None:
+        out += bias
+    return out.to(x.dtype)
 
 
 class RowParallelLinear(Linear):

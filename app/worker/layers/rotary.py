@@ -127,10 +127,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin() * scaling, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, 1, D/2] for these positions, once per step and shared by every layer."""
+        """[cos, cos] and [-sin, sin], [T, 1, D], for these positions, once per step and shared by every
+        layer (the operands of `_rotate`)."""
         cos = self.cos.index_select(0, positions).unsqueeze(1).to(dtype)
         sin = self.sin.index_select(0, positions).unsqueeze(1).to(dtype)
-        return cos, sin
+        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
 
 class Rope:
@@ -179,11 +180,12 @@ class Rope:
 def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, Hq, D], k [T, Hkv, D] rotated by the cos/sin of their positions."""
+    """q [T, Hq, D], k [T, Hkv, D] rotated by their positions' [cos, cos] and [-sin, sin] (`cos_sin`)."""
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # Same products and sums as transformers' q * cos + rotate_half(q) * sin on [cos, cos].
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    # transformers' x * cos + rotate_half(x) * sin, rounding for rounding (x2 * -sin is -(x2 * sin)):
+    # rotate_half(x) * sin is [x2, x1] * [-sin, sin], and the roll is one op where rotate_half is
+    # three: on the CPU a decode step pays for each small op's dispatch.
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin

@@ -163,23 +163,24 @@ fp16_copies = pytest.mark.skipif(not cpu_weights.fp16_copies_available(), reason
 @native_bf16
 @fp16_copies
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
-def test_the_mlp_linears_multiply_small_batches_by_an_fp16_copy(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Up to FP16_MAX_ROWS rows, the MLP's linears multiply by fbgemm's fp16 copy, within bf16 rounding of
-    the oneDNN weight (both sum in float32 and round once); more rows, and the other linears, by oneDNN."""
+def test_the_mlp_gate_up_multiplies_small_batches_by_an_fp16_copy(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Up to FP16_MAX_ROWS rows, the MLP's gate_up multiplies by fbgemm's fp16 copy, within bf16 rounding
+    of the oneDNN weight (both sum in float32 and round once); more rows, and the other linears, by
+    oneDNN."""
     model = mlp_and_attention()
     use_cpu_weight_layout(model)
     gate_up, down, o_proj = model["mlp"]["gate_up_proj"], model["mlp"]["down_proj"], model["self_attn"]["o_proj"]
-    assert gate_up.fp16 is not None and down.fp16 is not None and o_proj.fp16 is None
-    assert gate_up.weight.is_mkldnn and down.weight.is_mkldnn  # the oneDNN weight stays for larger steps
+    assert gate_up.fp16 is not None and down.fp16 is None and o_proj.fp16 is None
+    assert gate_up.weight.is_mkldnn  # the oneDNN weight stays for larger steps
     x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
     h = torch.randn(rows, 48, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
     calls = []
     monkeypatch.setattr(linear_module, "fp16_linear", lambda *a: calls.append(1) or fp16_linear(*a))
-    got_gate_up, got_down, _ = gate_up(x), down(h), o_proj(x)
-    assert len(calls) == (2 if rows <= FP16_MAX_ROWS else 0)
+    got_gate_up, _, _ = gate_up(x), down(h), o_proj(x)
+    assert len(calls) == (1 if rows <= FP16_MAX_ROWS else 0)
     monkeypatch.setattr(linear_module, "FP16_MAX_ROWS", 0)
-    assert close_in_bf16(got_gate_up, gate_up(x)) and close_in_bf16(got_down, down(h))
-    assert got_down.dtype == torch.bfloat16
+    assert close_in_bf16(got_gate_up, gate_up(x))
+    assert got_gate_up.dtype == torch.bfloat16
 
 
 @native_bf16
@@ -189,10 +190,9 @@ def test_no_fp16_copy_of_a_weight_fp16_cannot_hold(value: float) -> None:
     """A bf16 value below fp16's normal range or beyond its largest would change in the copy: none is made."""
     model = mlp_and_attention()
     with torch.no_grad():
-        model["mlp"]["down_proj"].weight[3, 5] = value
+        model["mlp"]["gate_up_proj"].weight[3, 5] = value
     use_cpu_weight_layout(model)
-    assert model["mlp"]["down_proj"].fp16 is None and model["mlp"]["down_proj"].weight.is_mkldnn
-    assert model["mlp"]["gate_up_proj"].fp16 is not None
+    assert model["mlp"]["gate_up_proj"].fp16 is None and model["mlp"]["gate_up_proj"].weight.is_mkldnn
 
 
 def test_no_fp16_copy_without_fbgemm_or_in_float32(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -203,7 +203,7 @@ def test_no_fp16_copy_without_fbgemm_or_in_float32(monkeypatch: pytest.MonkeyPat
         monkeypatch.setattr(cpu_weights, "fp16_copies_available", lambda: False)
         model = mlp_and_attention()
         use_cpu_weight_layout(model)
-        assert model["mlp"]["down_proj"].weight.is_mkldnn and model["mlp"]["down_proj"].fp16 is None
+        assert model["mlp"]["gate_up_proj"].weight.is_mkldnn and model["mlp"]["gate_up_proj"].fp16 is None
 
 
 @native_bf16
@@ -211,13 +211,12 @@ def test_no_fp16_copy_without_fbgemm_or_in_float32(monkeypatch: pytest.MonkeyPat
 def test_plain_weights_makes_the_fp16_copies_again_from_the_update() -> None:
     model = mlp_and_attention()
     use_cpu_weight_layout(model)
-    down = model["mlp"]["down_proj"]
+    gate_up = model["mlp"]["gate_up_proj"]
     with plain_weights(model):
-        assert down.fp16 is None and model["mlp"]["gate_up_proj"].fp16 is None
-        down.weight.data.fill_(0.5)
-    assert down.fp16 is not None and model["self_attn"]["o_proj"].fp16 is None
-    h = torch.ones(1, 48, dtype=torch.bfloat16)
-    assert torch.equal(down(h), (24.0 + down.bias.detach().float()).to(torch.bfloat16).unsqueeze(0))
+        assert gate_up.fp16 is None
+        gate_up.weight.data.fill_(0.5)
+    assert gate_up.fp16 is not None and model["self_attn"]["o_proj"].fp16 is None
+    assert torch.equal(gate_up(torch.ones(1, 64, dtype=torch.bfloat16)), torch.full((1, 96), 32.0, dtype=torch.bfloat16))
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@
   memory bandwidth). The packed tensor replaces the parameter (same shape, same attributes), so the
   model holds one oneDNN copy; a tied LM head gets its own packed copy, as the embedding lookup needs the
   plain table (vocab x hidden more bytes).
-  The MLP's linears (`wants_fp16_copy`) also keep a copy packed by fbgemm as fp16 (`fp16`), where
+  The MLP's gate_up linear (`wants_fp16_copy`) also keeps a copy packed by fbgemm as fp16 (`fp16`), where
   fbgemm is built in and every value of the weight is exactly an fp16 (a bf16 checkpoint's are, unless
   beyond fp16's narrower exponent range), which steps of up to FP16_MAX_ROWS rows (decodes of a few
   sequences) multiply by instead: fbgemm streams it faster there, with the same float32 accumulation
@@ -63,12 +63,13 @@ def fp16_copies_available() -> bool:
 
 
 def wants_fp16_copy(name: str) -> bool:
-    """Whether the linear of this qualified name gets an fp16 copy: the MLP's (gate_up, down), two
-    thirds of a decoder layer's weight bytes and of what the copies gain. The attention's linears and
-    the LM head gain as much per byte, but copies of every weight would take twice the MLP's memory
-    (fbgemm pads SmolLM2's 576 input features to 1024), more than the appliance's 1.5 GB goal leaves
-    (docs/performance.md, issue 36)."""
-    return ".mlp." in f".{name}."
+    """Whether the linear of this qualified name gets an fp16 copy: the MLP's gate_up, the largest of a
+    decoder layer's weights and most of what copies gain (SmolLM2, batch 1: 10.7 -> 6.6 ms a step). The
+    other linears and the LM head gain as much per byte, but the appliance's RSS goal (1.5 GB for all
+    processes, docs/performance.md, issue 36) leaves no room: with down's copies too, 32 streams took
+    1,462 MiB (1.53 GB), and copies of every weight 461 MiB more (fbgemm pads SmolLM2's 576 input
+    features to 1024)."""
+    return f".{name}".endswith(".mlp.gate_up_proj")
 
 
 def fp16_copy_bytes(weight: torch.Tensor) -> int:

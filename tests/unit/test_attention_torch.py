@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from app.worker.attention import (
+    AttentionBatch,
     AttentionSpec,
     TorchAttentionBackend,
     build_attention_batch,
@@ -96,40 +97,38 @@ def test_prefix_plus_new_tokens_match_dense_attention(block_size: int) -> None:
     assert not seqs.cache.k[0].any()
 
 
-def test_decode_groups_split_by_budget_give_the_same_result() -> None:
-    lengths = [5, 40, 9, 23, 2, 31]
-    seqs = Sequences(lengths, block_size=4, seed=3)
+def decode_step(lengths: list[int], seed: int) -> tuple[Sequences, AttentionBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sequences whose last token is this step's decode: (them, the batch, q, k and v of the new tokens)."""
+    seqs = Sequences(lengths, block_size=4, seed=seed)
     seqs.fill_prefix(0, [n - 1 for n in lengths])
     batch = build_attention_batch(seqs.table_tensor(), [1] * len(lengths), lengths, 4)
     q = torch.randn(len(lengths), HEADS, DIM, generator=seqs.gen)
-    k = torch.stack([kk[-1] for kk in seqs.k])
-    v = torch.stack([vv[-1] for vv in seqs.v])
+    return seqs, batch, q, torch.stack([kk[-1] for kk in seqs.k]), torch.stack([vv[-1] for vv in seqs.v])
+
+
+def assert_attends_like_naive(seqs: Sequences, q: torch.Tensor, out: torch.Tensor) -> None:
+    for b in range(q.shape[0]):
+        expected = naive_attention(q[b : b + 1], seqs.k[b], seqs.v[b], SPEC.scale)
+        torch.testing.assert_close(out[b : b + 1], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_groups_split_by_budget_give_the_same_result() -> None:
+    seqs, batch, q, k, v = decode_step([5, 40, 9, 23, 2, 31], seed=3)
     seqs.backend.decode_group_tokens = 64  # forces several groups
     meta = seqs.backend.plan(batch)
     assert len(meta.decode_groups) > 2 and not meta.prefills
-    out = seqs.backend.forward(0, q, k, v, meta)
-    for b in range(len(lengths)):
-        expected = naive_attention(q[b : b + 1], seqs.k[b], seqs.v[b], SPEC.scale)
-        torch.testing.assert_close(out[b : b + 1], expected, atol=1e-5, rtol=1e-5)
+    assert_attends_like_naive(seqs, q, seqs.backend.forward(0, q, k, v, meta))
 
 
 @pytest.mark.parametrize("lengths", [[17, 17, 17], [5, 40, 9]])
 def test_one_group_of_every_row_attends_in_place(lengths: list[int]) -> None:
     """A step of decodes alone in one group: no gather of the queries nor scatter of the output, and on
     the CPU no mask at all when no sequence is padded (else -inf past each length, made once a step)."""
-    seqs = Sequences(lengths, block_size=4, seed=5)
-    seqs.fill_prefix(0, [n - 1 for n in lengths])
-    batch = build_attention_batch(seqs.table_tensor(), [1] * len(lengths), lengths, 4)
-    q = torch.randn(len(lengths), HEADS, DIM, generator=seqs.gen)
-    k = torch.stack([kk[-1] for kk in seqs.k])
-    v = torch.stack([vv[-1] for vv in seqs.v])
+    seqs, batch, q, k, v = decode_step(lengths, seed=5)
     meta = seqs.backend.plan(batch)
     (group,) = meta.decode_groups
     assert group.whole and (group.additive is None) == (len(set(lengths)) == 1)
-    out = seqs.backend.forward(0, q, k, v, meta)
-    for b in range(len(lengths)):
-        expected = naive_attention(q[b : b + 1], seqs.k[b], seqs.v[b], SPEC.scale)
-        torch.testing.assert_close(out[b : b + 1], expected, atol=1e-5, rtol=1e-5)
+    assert_attends_like_naive(seqs, q, seqs.backend.forward(0, q, k, v, meta))
 
 
 def test_bf16_decodes_match_dense_attention() -> None:

@@ -172,7 +172,7 @@ def use_cpu_weight_layout(model: nn.Module) -> int:
                  packed_copy / 2**20)
     if fp16_bytes:
         _trim_heap()
-        log.info("steps of up to %d rows multiply by fbgemm's fp16 copies of the MLP's weights: +%.0f MiB",
+        log.info("steps of up to %d rows multiply by fbgemm's fp16 copies of the MLP's gate_up: +%.0f MiB",
                  FP16_MAX_ROWS, fp16_bytes / 2**20)
     return changed
 

@@ -236,11 +236,12 @@ def align_in_chunks(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
     bins = next_power_of_2(num_experts + 1)
     sorted_ids = torch.empty(blocks * block_m, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=ids.device)
-    before = torch.empty(chunks, bins, dtype=torch.int32, device=ids.device)  # counts, then the chunk's offsets
+    # a row a chunk (its counts, then the running counts before it), then each expert's padded start
+    before = torch.empty(chunks + 1, bins, dtype=torch.int32, device=ids.device)
     common = dict(BLOCK_M=block_m, CHUNK=ALIGN_CHUNK, BINS=bins, num_warps=4, **pdl_options())
     _align_count_kernel[(chunks,)](flat, sorted_ids, block_expert, before, arrival_counts(ids.device, 1), pairs,
                                    num_experts, blocks, chunks, **common)  # fmt: skip
-    _align_place_kernel[(chunks,)](flat, sorted_ids, before, pairs, num_experts, **common)
+    _align_place_kernel[(chunks,)](flat, sorted_ids, before, pairs, num_experts, chunks, **common)
     return sorted_ids, block_expert
 
 
@@ -256,8 +257,8 @@ def _align_count_kernel(ids_ptr, sorted_ptr, block_expert_ptr, before_ptr, arriv
                         BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BINS: tl.constexpr,
                         USE_PDL: tl.constexpr):  # fmt: skip
     """Program c counts chunk c's pairs by expert and pads its share of the rows. The last to finish turns
-    the counts into where each chunk's pairs of an expert start (each expert's padded start plus the
-    chunk's before it) and writes every block's expert."""
+    the counts into the chunks' running counts before them, stores each expert's padded start after
+    them (row CHUNKS) and writes every block's expert."""
     c = tl.program_id(0)
     wait_for_predecessor(USE_PDL)  # the expert ids (and no store before it: the outputs are fresh memory)
     rows = BLOCKS * BLOCK_M
@@ -277,9 +278,7 @@ def _align_count_kernel(ids_ptr, sorted_ptr, block_expert_ptr, before_ptr, arriv
         counts = tl.where(bins < E, running, 0)
         padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
         ends = tl.cumsum(padded, 0)
-        for cc in range(CHUNKS):  # + each expert's padded start
-            at = before_ptr + cc * BINS + bins
-            tl.store(at, tl.load(at) + ends - padded)
+        tl.store(before_ptr + CHUNKS * BINS + bins, ends - padded)
         # block b's expert: how many groups end at or before its first row (E for the blocks past them all)
         for b0 in range(0, BLOCKS, CHUNK):
             b = b0 + tl.arange(0, CHUNK)
@@ -288,10 +287,11 @@ def _align_count_kernel(ids_ptr, sorted_ptr, block_expert_ptr, before_ptr, arriv
 
 
 @triton.jit
-def _align_place_kernel(ids_ptr, sorted_ptr, before_ptr, P, E, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
-                        BINS: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+def _align_place_kernel(ids_ptr, sorted_ptr, before_ptr, P, E, CHUNKS, BLOCK_M: tl.constexpr,
+                        CHUNK: tl.constexpr, BINS: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
     """Program c writes chunk c's pair ids to their rows: its chunk sorted by (expert, pair) in registers,
-    each pair at its chunk's start for the expert plus its rank among the chunk's pairs of that expert."""
+    each pair at its expert's padded start, plus the expert's pairs in the chunks before, plus its rank
+    among the chunk's pairs of that expert."""
     c = tl.program_id(0)
     wait_for_predecessor(USE_PDL)  # the offsets
     ex, i = _chunk_ids(ids_ptr, c, P, E, CHUNK)
@@ -300,7 +300,8 @@ def _align_place_kernel(ids_ptr, sorted_ptr, before_ptr, P, E, BLOCK_M: tl.const
     counts = tl.histogram(ex, BINS)
     ok = ex_s < E
     at = tl.where(ok, ex_s, 0)
-    start = tl.load(before_ptr + c * BINS + at, mask=ok, other=0)
+    start = tl.load(before_ptr + c * BINS + at, mask=ok, other=0) + tl.load(before_ptr + CHUNKS * BINS + at,
+                                                                            mask=ok, other=0)  # fmt: skip
     dest = start + i - tl.gather(tl.cumsum(counts, 0) - counts, at, 0)
     tl.store(sorted_ptr + tl.where(ok, dest, 0), c * CHUNK + key % CHUNK, mask=ok)
 

@@ -75,8 +75,9 @@
 #   moe_offline_1000         1000 requests of 1000 in / 1000 out on Qwen3-30B-A3B, bf16, triton attention, MOE_SEQS
 #                            (256) running; MOE_REQUESTS fewer requests for a shorter run
 #   moe_offline_1000_fp8kv   the same with an FP8 KV cache and MOE_FP8KV_SEQS (512) running; MOE_PROFILE_STEPS
-#                            (e.g. 1500:12) profiles a window of either run's steps; MOE_ATTN=flashinfer runs
-#                            both on flashinfer (xqa decode over an FP8 cache) after its JIT build
+#                            (e.g. 1500:12) profiles a window of either run's steps; MOE_ATTN="triton flashinfer"
+#                            runs each on both backends (flashinfer: xqa decode over an FP8 cache, FA3 prefill)
+#                            after its JIT build, the second's results named moe_offline_1000*_flashinfer
 # A stage that cannot finish before DEADLINE is skipped rather than cut (offline_1000*), so give each
 # 1000-request stage a device call of its own unless the estimates above add up.
 set -uo pipefail
@@ -138,9 +139,19 @@ if [ -z "${NO_WARM:-}" ]; then
   WARM=$!
 fi
 
-MOE_ATTN=${MOE_ATTN:-triton}  # the MoE offline stages' attention backend
-moe_attention_ready() {  # flashinfer's kernels come from the background build
-  [ "$MOE_ATTN" != flashinfer ] || wait $WARM
+MOE_ATTN=${MOE_ATTN:-triton}  # the MoE offline stages' attention backends: each stage runs once per name
+# run_moe_offline NAME SEQS CHUNK [flags]: Qwen3-30B-A3B, 1000 x (1000 in / 1000 out), SEQS running, CHUNK
+# tokens a step, on each backend of MOE_ATTN (NAME_flashinfer for that one: it waits for the background build)
+run_moe_offline() {
+  local name=$1 seqs=$2 chunk=$3 backend label; shift 3
+  for backend in $MOE_ATTN; do
+    label=$name; [ "$backend" = triton ] || { label=${name}_$backend; wait $WARM; }
+    # shellcheck disable=SC2086
+    fits "$label" 200 && stage "$label" 420 python3 -m app.bench.offline --model configs/models/qwen3-30b-a3b \
+      --load-format dummy --dtype bfloat16 --attention-backend "$backend" --num-requests "${MOE_REQUESTS:-1000}" \
+      --input-len 1000 --output-len 1000 --max-num-seqs "$seqs" --chunked-prefill-size "$chunk" \
+      --json "$RUN/$label.json" ${MOE_PROFILE_STEPS:+--profile-steps "$MOE_PROFILE_STEPS"} "$@"
+  done
 }
 MOE_TUNE_BUDGET=${MOE_TUNE_BUDGET:-280}  # seconds of tuning: the larger token counts left are skipped
 DEADLINE=${DEADLINE:-260}  # seconds: no stage starts after it, none runs past it (the device call's limit)
@@ -238,16 +249,10 @@ for s in $STAGES; do
         --output-len 160 --max-num-seqs 1 --profile-steps 100:20 --no-pdl --json "$RUN/moe_profile.json" ;;
     # 1000 x (1000 in / 1000 out): a Qwen3-30B-A3B KV token is 48 layers x 4 heads x 128 x 2 x 2 bytes =
     # 96 KiB; the ~60 GiB the 61 GB of weights leave at 0.9 hold ~650k tokens, 320 requests at 2000.
-    moe_offline_1000) moe_attention_ready && fits moe_offline_1000 200 && stage moe_offline_1000 420 python3 -m app.bench.offline \
-        --model configs/models/qwen3-30b-a3b --load-format dummy --dtype bfloat16 --attention-backend "$MOE_ATTN" \
-        --num-requests "${MOE_REQUESTS:-1000}" --input-len 1000 --output-len 1000 --max-num-seqs "${MOE_SEQS:-256}" \
-        --chunked-prefill-size 8192 --json "$RUN/moe_offline_1000.json" ${MOE_PROFILE_STEPS:+--profile-steps "$MOE_PROFILE_STEPS"} ;;
+    moe_offline_1000) run_moe_offline moe_offline_1000 "${MOE_SEQS:-256}" 8192 ;;
     # The same with an FP8 KV cache (48 KiB a token): 512 requests at their full 2000 tokens fit.
-    moe_offline_1000_fp8kv) moe_attention_ready && fits moe_offline_1000_fp8kv 200 && stage moe_offline_1000_fp8kv 420 python3 -m app.bench.offline \
-        --model configs/models/qwen3-30b-a3b --load-format dummy --dtype bfloat16 --attention-backend "$MOE_ATTN" \
-        --num-requests "${MOE_REQUESTS:-1000}" --input-len 1000 --output-len 1000 --max-num-seqs "${MOE_FP8KV_SEQS:-512}" \
-        --max-cudagraph-capture-size "${MOE_FP8KV_SEQS:-512}" --kv-cache-dtype fp8_e4m3 --chunked-prefill-size 16384 \
-        --json "$RUN/moe_offline_1000_fp8kv.json" ${MOE_PROFILE_STEPS:+--profile-steps "$MOE_PROFILE_STEPS"} ;;
+    moe_offline_1000_fp8kv) run_moe_offline moe_offline_1000_fp8kv "${MOE_FP8KV_SEQS:-512}" 16384 \
+        --max-cudagraph-capture-size "${MOE_FP8KV_SEQS:-512}" --kv-cache-dtype fp8_e4m3 ;;
     offline_1000_fp8kv) fits offline_1000_fp8kv 250 && run_offline_1000 offline_1000_fp8kv "${FP8KV_SEQS:-512}" 330 \
       "${FP8KV_CHUNK:-16384}" --quantization fp8 --kv-cache-dtype fp8_e4m3 --max-cudagraph-capture-size "${FP8KV_SEQS:-512}" ;;
     hf) stage hf_b1 120 python3 scripts/gpu/hf_reference.py --model $MODEL --batch-size 1 --output-len 64 --json "$RUN/hf_b1.json" ;;

@@ -113,6 +113,8 @@ def offline_line(name: str, r: dict) -> str:
             f"{r['max_running']}), {r['preemptions']} preemptions, KV pool {r['kv_pool_tokens']} tokens, "
             f"{r['finished']} finished in {fmt(r['elapsed_s'])} s, {r['steps']} steps"
         )
+    for kind, k in r.get("step_kinds", {}).items():
+        line += f"; {k['steps']} {kind} steps of {fmt(k['mean_ms'], '.1f')} ms"
     return line
 
 
@@ -242,11 +244,11 @@ def moe_lines(results: dict[str, dict]) -> list[str]:
             lines.append(f"| FP8 / bf16 (decode loop) | {d['fp8_over_bf16']:.3f} | 1.5 | |")
         if d.get("transformers"):
             lines.append(f"| transformers generate, batch 1 | {fmt(d['transformers']['decode_tokens_per_s'])} | | |")
-    o = results.get("moe_offline_1000")
-    if o:
-        lines.append(f"| offline {o['num_requests']} x {o['input_len']}/{o['output_len']} output tok/s | "
-                     f"{fmt(o['output_tokens_per_s'], '.0f')} | 15,000 | |")
-        lines.append(offline_line("moe_offline_1000", o))
+    for name, o in results.items():
+        if name.startswith("moe_offline_1000"):
+            lines.append(f"| {name}: offline {o['num_requests']} x {o['input_len']}/{o['output_len']} output "
+                         f"tok/s | {fmt(o['output_tokens_per_s'], '.0f')} | 15,000 | |")
+            lines.append(offline_line(name, o))
     prof = (results.get("moe_profile") or {}).get("profile")
     if prof:
         lines.append(f"moe_profile: {prof['steps']} batch-1 decode steps, {prof['wall_ms'] / prof['steps']:.3f} ms a "

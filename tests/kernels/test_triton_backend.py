@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from app.worker.attention import build_attention_batch, make_attention_backend
-from app.worker.attention.base import AttentionSpec
+from app.worker.attention.base import AttentionSpec, MixedMetadata
 from app.worker.attention.triton_backend import TritonAttentionBackend
 from app.worker.kv_cache import KVCache, KVCacheSpec
 from app.worker.model_runner import ModelRunner
@@ -34,9 +34,14 @@ def twin_caches(num_blocks: int, block_size: int, seed: int) -> tuple[KVCache, K
 
 
 @pytest.mark.parametrize(
-    ("query_lens", "seq_lens"), [([1, 1, 1], [5, 40, 17]), ([1, 9, 3, 1], [12, 9, 30, 2])]
+    ("query_lens", "seq_lens", "decode_tokens"),
+    [([1, 1, 1], [5, 40, 17], None), ([9, 1, 3, 1], [9, 12, 30, 2], None), ([1, 1, 9, 3], [12, 40, 9, 30], 2)],
 )
-def test_triton_backend_matches_torch_backend(query_lens: list[int], seq_lens: list[int]) -> None:
+def test_triton_backend_matches_torch_backend(
+    query_lens: list[int], seq_lens: list[int], decode_tokens: int | None
+) -> None:
+    """Decodes, prefill chunks with a decode among them (one prefill launch), and a mixed step whose
+    leading decodes run the decode kernel (decode_tokens of them) and the rest the prefill kernel."""
     block_size = 4
     width = max(math.ceil(n / block_size) for n in seq_lens)
     tables = torch.randperm(len(seq_lens) * width, generator=torch.Generator().manual_seed(1)).int()
@@ -51,6 +56,7 @@ def test_triton_backend_matches_torch_backend(query_lens: list[int], seq_lens: l
     q = torch.randn(n, 4, 16, generator=gen)
     k, v = torch.randn(n, 2, 16, generator=gen), torch.randn(n, 2, 16, generator=gen)
     meta = triton_backend.plan(batch)
+    assert (meta.decode_tokens if isinstance(meta, MixedMetadata) else None) == decode_tokens
     out = triton_backend.forward(0, q, k, v, meta)
     expected = torch_backend.forward(0, q, k, v, torch_backend.plan(batch))
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

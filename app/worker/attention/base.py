@@ -11,6 +11,7 @@ tokens' K/V into the paged cache and attends each sequence's new queries over it
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -125,6 +126,18 @@ class AttentionMetadata:
     batch: AttentionBatch
 
 
+@dataclass
+class MixedMetadata(AttentionMetadata):
+    """A step with decodes and prefill chunks: its leading one-token rows (the decodes: the scheduler
+    puts them first) run the backend's decode kernel, the rest its prefill kernel. One prefill launch over
+    both would read the decodes' contexts with the prefill kernel, at a fraction of the decode kernel's
+    rate (a tile of query rows holding one, a context read once per query head)."""
+
+    decode: AttentionMetadata  # of the first decode_tokens tokens
+    prefill: AttentionMetadata
+    decode_tokens: int
+
+
 class AttentionBackend(ABC):
     name: ClassVar[str]
     # Whether decode steps can be captured in CUDA graphs (capture_metadata / prepare_replay below).
@@ -163,6 +176,32 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """q [T, Hq, D], k and v [T, Hkv, D] for the step's new tokens -> output [T, Hq, D]. rope: the
         step's rotary embedding, applied to q and k first (None: they come rotated, or the model has none)."""
+
+    def plan_decodes_and_prefills(
+        self,
+        batch: AttentionBatch,
+        plan_decode: Callable[[AttentionBatch], AttentionMetadata],
+        plan_prefill: Callable[[AttentionBatch], AttentionMetadata],
+    ) -> AttentionMetadata:
+        """A step of decodes only, of prefill chunks only, or both (MixedMetadata), planned by the two."""
+        decodes = leading_single_token_rows(batch)
+        if decodes == batch.num_seqs:
+            return plan_decode(batch)
+        if decodes == 0:
+            return plan_prefill(batch)
+        head, tail = split_batch(batch, decodes)
+        return MixedMetadata(backend=self, batch=batch, decode=plan_decode(head), prefill=plan_prefill(tail),
+                             decode_tokens=decodes)  # fmt: skip
+
+    def attend_mixed(
+        self, layer_idx: int, q: torch.Tensor, meta: MixedMetadata, out: torch.Tensor | None
+    ) -> torch.Tensor:
+        """A mixed step's attention: its decode rows, then its prefill rows, each into its part of out."""
+        n = meta.decode_tokens
+        out = torch.empty_like(q) if out is None else out
+        self.attend(layer_idx, q[:n], meta.decode, out[:n])
+        self.attend(layer_idx, q[n:], meta.prefill, out[n:])
+        return out
 
     def decode_kernel_name(self) -> str:
         """What runs decode steps (for the start-up log): the backend's own kernels unless it says."""

@@ -60,9 +60,8 @@ from app.worker.attention.base import (
     AttentionBatch,
     AttentionMetadata,
     AttentionSpec,
+    MixedMetadata,
     build_attention_batch,
-    leading_single_token_rows,
-    split_batch,
 )
 from app.worker.attention.triton_backend import (
     TritonAttentionBackend,
@@ -179,17 +178,6 @@ class XqaMetadata(AttentionMetadata):
     """A decode step on xqa: it reads the batch's block tables and lengths as they are."""
 
 
-@dataclass
-class MixedMetadata(AttentionMetadata):
-    """A step with decodes and prefill chunks: its leading one-token rows (the decodes: the scheduler
-    puts them first) run the decode kernel, the rest the prefill wrapper. One prefill launch over both
-    would read the decodes' contexts with the prefill kernels, at a fraction of the decode kernel's rate."""
-
-    decode: AttentionMetadata  # of the first decode_tokens tokens
-    prefill: FlashInferMetadata
-    decode_tokens: int
-
-
 class FlashInferAttentionBackend(AttentionBackend):
     name = "flashinfer"
     supports_cuda_graphs = True
@@ -299,14 +287,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         )  # fmt: skip
 
     def plan(self, batch: AttentionBatch) -> AttentionMetadata:
-        decodes = leading_single_token_rows(batch)
-        if decodes == batch.num_seqs:
-            return self._plan_decode_rows(batch)
-        if decodes == 0:
-            return self._plan_prefill(batch)
-        head, tail = split_batch(batch, decodes)
-        return MixedMetadata(backend=self, batch=batch, decode=self._plan_decode_rows(head),
-                             prefill=self._plan_prefill(tail), decode_tokens=decodes)  # fmt: skip
+        return self.plan_decodes_and_prefills(batch, self._plan_decode_rows, self._plan_prefill)
 
     def _plan_decode_rows(self, batch: AttentionBatch) -> AttentionMetadata:
         if self.triton is not None:
@@ -378,11 +359,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             assert self.triton is not None
             return self.triton.attend(layer_idx, q, meta, out)
         if isinstance(meta, MixedMetadata):
-            n = meta.decode_tokens
-            out = torch.empty_like(q) if out is None else out
-            self.attend(layer_idx, q[:n], meta.decode, out[:n])
-            self.attend(layer_idx, q[n:], meta.prefill, out[n:])
-            return out
+            return self.attend_mixed(layer_idx, q, meta, out)
         k_cache, v_cache = self.kv_cache.k[layer_idx], self.kv_cache.v[layer_idx]
         k_scale, v_scale = self.kv_cache.k_scales[layer_idx], self.kv_cache.v_scales[layer_idx]
         if isinstance(meta, XqaMetadata):

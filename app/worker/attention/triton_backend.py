@@ -1,11 +1,12 @@
 """The Triton backend: paged-KV kernels from tokenspeed_kernels, on CUDA (or on the CPU under
 TRITON_INTERPRET=1, which is how the tests run it without a GPU).
 
-A step whose sequences all feed one token runs the split-K decode kernel; any other step runs the
-prefill/extend kernel over every sequence (a decode row is an extend of length one). The new K/V
-rows go into the cache first, through the fused write kernel (which also applies the rotary embedding
-on CUDA), so both kernels read the whole context from the cache. Decode metadata holds only device
-tensors of the batch and a split count fixed per batch size, so decode steps are CUDA-graph safe.
+A step whose sequences all feed one token runs the split-K decode kernel, a step of prefill chunks the
+prefill/extend kernel, and a mixed step both: its leading one-token rows on the decode kernel, the rest
+on the prefill kernel (MixedMetadata). The new K/V rows go into the cache first, through the fused
+write kernel (which also applies the rotary embedding on CUDA), so both kernels read the whole context
+from the cache. Decode metadata holds only device tensors of the batch and a split count fixed per
+batch size, so decode steps are CUDA-graph safe.
 
 An FP8 KV cache (float8_e4m3fn, per-layer scales) is written and read by the same kernels: the write
 quantizes with the layer's k_scale / v_scale, the attention kernels cast the tiles to the query's
@@ -20,7 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
-from app.worker.attention.base import AttentionBackend, AttentionBatch, AttentionMetadata, AttentionSpec
+from app.worker.attention.base import (
+    AttentionBackend,
+    AttentionBatch,
+    AttentionMetadata,
+    AttentionSpec,
+    MixedMetadata,
+)
 from app.worker.kv_cache import KVCache
 from app.worker.layers.fused import kernel_module
 from app.worker.layers.rotary import Rope
@@ -82,12 +89,12 @@ class TritonAttentionBackend(AttentionBackend):
     def _splits(self, batch_size: int, max_seq_len: int) -> int:
         return self._decode.choose_num_splits(batch_size, self.spec.num_kv_heads, max_seq_len, self.num_sms)
 
-    def plan(self, batch: AttentionBatch) -> TritonAttentionMetadata:
+    def plan(self, batch: AttentionBatch) -> AttentionMetadata:
+        return self.plan_decodes_and_prefills(batch, self.capture_metadata, self._plan_prefill)
+
+    def _plan_prefill(self, batch: AttentionBatch) -> TritonAttentionMetadata:
         starts = batch.query_start_loc
-        query_lens = [hi - lo for lo, hi in zip(starts, starts[1:], strict=False)]
-        max_query_len = max(query_lens, default=1)
-        if max_query_len == 1:
-            return self.capture_metadata(batch)
+        max_query_len = max(hi - lo for lo, hi in zip(starts, starts[1:], strict=False))
         cu = upload(starts, torch.int32, batch.block_tables.device)
         return TritonAttentionMetadata(
             backend=self, batch=batch, decode=False, cu_seqlens_q=cu, max_query_len=max_query_len
@@ -120,9 +127,12 @@ class TritonAttentionBackend(AttentionBackend):
         return self.attend(layer_idx, q, meta)  # type: ignore[arg-type]
 
     def attend(
-        self, layer_idx: int, q: torch.Tensor, meta: TritonAttentionMetadata, out: torch.Tensor | None = None
+        self, layer_idx: int, q: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """The attention alone, over a cache that already holds the step's K/V."""
+        if isinstance(meta, MixedMetadata):
+            return self.attend_mixed(layer_idx, q, meta, out)
+        assert isinstance(meta, TritonAttentionMetadata)
         batch = meta.batch
         k_cache, v_cache = self.kv_cache.k[layer_idx], self.kv_cache.v[layer_idx]
         scales = {"k_scale": self.kv_cache.k_scales[layer_idx], "v_scale": self.kv_cache.v_scales[layer_idx]}

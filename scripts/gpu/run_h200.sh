@@ -78,6 +78,7 @@
 #                            (e.g. 1500:12) profiles a window of either run's steps; MOE_ATTN="triton flashinfer"
 #                            runs each on both backends (flashinfer: xqa decode over an FP8 cache, FA3 prefill)
 #                            after its JIT build, the second's results named moe_offline_1000*_flashinfer
+#   moe_offline_1000_fp8     the FP8 KV run with FP8 weights too (quantized at load)
 # A stage that cannot finish before DEADLINE is skipped rather than cut (offline_1000*), so give each
 # 1000-request stage a device call of its own unless the estimates above add up.
 set -uo pipefail
@@ -102,7 +103,7 @@ for name in ${*:-gpu_tests}; do stages=$(suite "$name"); STAGES="$STAGES ${stage
 KNOWN=" roofline cold_start latency_triton latency_flashinfer latency_b4 latency_b32 latency_fp8 latency_fp8_triton kv_pool idle \
 offline offline_1000 offline_1000_fp8kv serving hf profile_prefill profile_b1_fp8 profile_b1_bf16 profile_b4 gemv gemv_chain \
 attn attn_sweep elementwise tests tests_flashinfer tests_8b tests_decode tests_fp8w pytest tests_tp latency_tp serving_dp \
-moe_tune moe_decode moe_tests moe_profile moe_offline_1000 moe_offline_1000_fp8kv "
+moe_tune moe_decode moe_tests moe_profile moe_offline_1000 moe_offline_1000_fp8kv moe_offline_1000_fp8 "
 SERVING_MORE="stagger:4:0.5:32:128 b1:1:0:3:256"  # the serving stages' benchmarks after the first (serve_and_bench.sh)
 for s in $STAGES; do  # every name checked before anything runs
   [[ $KNOWN == *" $s "* ]] || { echo "unknown stage $s; suites: gpu_tests figures_latency figures_offline figures_serving figures_tp figures_moe; stages:$KNOWN"; exit 2; }
@@ -253,6 +254,9 @@ for s in $STAGES; do
     # The same with an FP8 KV cache (48 KiB a token): 512 requests at their full 2000 tokens fit.
     moe_offline_1000_fp8kv) run_moe_offline moe_offline_1000_fp8kv "${MOE_FP8KV_SEQS:-512}" 16384 \
         --max-cudagraph-capture-size "${MOE_FP8KV_SEQS:-512}" --kv-cache-dtype fp8_e4m3 ;;
+    # And with FP8 weights too (quantized at load): half the experts' bytes a decode step.
+    moe_offline_1000_fp8) run_moe_offline moe_offline_1000_fp8 "${MOE_FP8KV_SEQS:-512}" 16384 \
+        --max-cudagraph-capture-size "${MOE_FP8KV_SEQS:-512}" --kv-cache-dtype fp8_e4m3 --quantization fp8 ;;
     offline_1000_fp8kv) fits offline_1000_fp8kv 250 && run_offline_1000 offline_1000_fp8kv "${FP8KV_SEQS:-512}" 330 \
       "${FP8KV_CHUNK:-16384}" --quantization fp8 --kv-cache-dtype fp8_e4m3 --max-cudagraph-capture-size "${FP8KV_SEQS:-512}" ;;
     hf) stage hf_b1 120 python3 scripts/gpu/hf_reference.py --model $MODEL --batch-size 1 --output-len 64 --json "$RUN/hf_b1.json" ;;

@@ -355,11 +355,12 @@ def _moe_gemm_kernel(
     a_ptr, w_ptr, scale_ptr, c_ptr, route_ptr, sorted_ids_ptr, block_expert_ptr,
     N, K, PAIRS, stride_am, stride_we, stride_wn, stride_se, stride_cm,
     A_DIV: tl.constexpr, GATED: tl.constexpr, MUL_ROUTE: tl.constexpr, HAS_SCALE: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    F16_OPERANDS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """c[pair, n] for BLOCK_M pairs of one expert: a's row pair // A_DIV times the expert's rows n (and,
-    GATED, n + N: SiLU(gate) * up), times the pair's routing weight with MUL_ROUTE."""
+    GATED, n + N: SiLU(gate) * up), times the pair's routing weight with MUL_ROUTE. F16_OPERANDS: bfloat16
+    rows times FP8 codes, both as float16 (see _as_f16)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     wait_for_predecessor(USE_PDL)  # the grouping and the activations come from the kernels before
@@ -377,13 +378,16 @@ def _moe_gemm_kernel(
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + rk
             k_ok = kk < K
-            a = tl.load(a_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            a = _as_f16(tl.load(a_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0), F16_OPERANDS)
             w_mask = n_ok[:, None] & k_ok[None, :]
             w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0).to(a.dtype)
             acc += tl.dot(a, tl.trans(w), input_precision=PRECISION)
             if GATED:
                 up = tl.load(w_rows + N * stride_wn + kk[None, :], mask=w_mask, other=0.0).to(a.dtype)
                 acc_up += tl.dot(a, tl.trans(up), input_precision=PRECISION)
+        if F16_OPERANDS:  # the rows' 2^-8 back
+            acc *= 256.0
+            acc_up *= 256.0
         out = _epilogue(acc, acc_up, scale_ptr + expert.to(tl.int64) * stride_se, rn, n_ok, N, GATED, HAS_SCALE)
         if MUL_ROUTE:
             out = out * tl.load(route_ptr + pairs, mask=m_ok, other=0.0)[:, None]
@@ -403,6 +407,17 @@ def _epilogue(acc, acc_up, scales, rn, n_ok, N, GATED: tl.constexpr, HAS_SCALE: 
     return acc
 
 
+@triton.jit
+def _as_f16(a, F16_OPERANDS: tl.constexpr):
+    """Rows for products with FP8 codes: with F16_OPERANDS bfloat16 rows go to float16 scaled by 2^-8 (exact
+    but below float16's normal range, and into it: activations stay under 2^24), and the codes follow them
+    to float16, exactly; the caller multiplies the float32 sums by 2^8. On the H200 a code converts to
+    float16 in one instruction a pair, to bfloat16 in several: the FP8 GEMMs were bound by those casts."""
+    if F16_OPERANDS:
+        a = (a.to(tl.float32) * 0.00390625).to(tl.float16)
+    return a
+
+
 # The tensor-core form of the decode GEMVs multiplies a tile of DOT_ROWS rows, the pair's row and zeros
 # (tl.dot's smallest M): the weights are read once either way, and the FMA form's per-element converts
 # and multiply-adds (FP8 codes: two converts an element) leave the ALUs.
@@ -411,9 +426,10 @@ DOT_ROWS = tl.constexpr(16)
 
 @triton.jit
 def _row_times_rows(a_row, w_rows, N_OFFSET, K, n_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    USE_DOT: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+                    USE_DOT: tl.constexpr, F16_OPERANDS: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     """The dot products of one activation row (a_row: its pointer) with the weight rows w_rows + N_OFFSET
-    (BLOCK_N of them, the n_ok ones real), over K, in float32: [BLOCK_N]."""
+    (BLOCK_N of them, the n_ok ones real), over K, in float32: [BLOCK_N]. F16_OPERANDS (tensor-core tiles
+    only): as float16 (see _as_f16)."""
     rk = tl.arange(0, BLOCK_K)
     if USE_DOT:
         rows = tl.arange(0, DOT_ROWS)
@@ -422,8 +438,11 @@ def _row_times_rows(a_row, w_rows, N_OFFSET, K, n_ok, BLOCK_N: tl.constexpr, BLO
             kk = k0 + rk
             k_ok = kk < K
             a = tl.load(a_row + rows[:, None] * 0 + kk[None, :], mask=(rows[:, None] == 0) & k_ok[None, :], other=0.0)
+            a = _as_f16(a, F16_OPERANDS)
             w = tl.load(w_rows + N_OFFSET + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(a.dtype)
             acc += tl.dot(a, tl.trans(w), input_precision=PRECISION)
+        if F16_OPERANDS:
+            acc *= 256.0
         return tl.sum(acc, 0)  # rows past the first are zero
     else:
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -439,7 +458,7 @@ def _row_times_rows(a_row, w_rows, N_OFFSET, K, n_ok, BLOCK_N: tl.constexpr, BLO
 def _moe_gemv_kernel(
     a_ptr, w_ptr, scale_ptr, c_ptr, ids_ptr, N, K, stride_am, stride_we, stride_wn, stride_se, stride_cm,
     A_DIV: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_DOT: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    USE_DOT: tl.constexpr, F16_OPERANDS: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """The decode shape's gate and up: mid[pair, n] = SiLU(gate) * up for one pair and BLOCK_N outputs,
     products in float32 (registers, or tensor-core tiles with USE_DOT)."""
@@ -451,8 +470,8 @@ def _moe_gemv_kernel(
     n_ok = rn < N
     a_row = a_ptr + (pair // A_DIV).to(tl.int64) * stride_am
     w_rows = w_ptr + expert * stride_we + rn[:, None].to(tl.int64) * stride_wn
-    gate = _row_times_rows(a_row, w_rows, 0, K, n_ok, BLOCK_N, BLOCK_K, USE_DOT, PRECISION)
-    up = _row_times_rows(a_row, w_rows, N * stride_wn, K, n_ok, BLOCK_N, BLOCK_K, USE_DOT, PRECISION)
+    gate = _row_times_rows(a_row, w_rows, 0, K, n_ok, BLOCK_N, BLOCK_K, USE_DOT, F16_OPERANDS, PRECISION)
+    up = _row_times_rows(a_row, w_rows, N * stride_wn, K, n_ok, BLOCK_N, BLOCK_K, USE_DOT, F16_OPERANDS, PRECISION)
     # [1, BLOCK_N] rows so that the epilogue's broadcasts are the grouped kernel's
     out = _epilogue(gate[None, :], up[None, :], scale_ptr + expert * stride_se, rn, n_ok, N, True, HAS_SCALE)
     tl.store(c_ptr + pair.to(tl.int64) * stride_cm + rn[None, :], out.to(c_ptr.dtype.element_ty),
@@ -463,8 +482,8 @@ def _moe_gemv_kernel(
 def _moe_down_sum_kernel(
     a_ptr, w_ptr, scale_ptr, c_ptr, route_ptr, ids_ptr, parts_ptr, arrivals_ptr, N, K, stride_am, stride_we,
     stride_wn, stride_se, stride_cm, TOP_K: tl.constexpr, PAIR_SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, F16_OPERANDS: tl.constexpr,
+    PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """The decode shape's down projection with the top-k sum folded in: out[token, n] for one token and
     BLOCK_N outputs, the sum over its k pairs of weight * (down rows of the pair's expert) . mid[pair],
@@ -483,7 +502,7 @@ def _moe_down_sum_kernel(
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         a_row = a_ptr + pair.to(tl.int64) * stride_am
         w_rows = w_ptr + expert * stride_we + rn[:, None].to(tl.int64) * stride_wn
-        part = _row_times_rows(a_row, w_rows, 0, K, n_ok, BLOCK_N, BLOCK_K, USE_DOT, PRECISION)
+        part = _row_times_rows(a_row, w_rows, 0, K, n_ok, BLOCK_N, BLOCK_K, USE_DOT, F16_OPERANDS, PRECISION)
         if HAS_SCALE:
             part = part * tl.load(scale_ptr + expert * stride_se + rn, mask=n_ok, other=0.0)
         total += part * tl.load(route_ptr + pair)
@@ -584,6 +603,12 @@ def decode_shape_for(tokens: int, top_k: int, w13: torch.Tensor) -> bool:
 # ---------------------------------------------------------------- launchers
 
 
+def _operands(a: torch.Tensor, w: torch.Tensor) -> dict[str, Any]:
+    """The kernels' operand options: bfloat16 rows times FP8 codes run as float16 (_as_f16)."""
+    f16 = w.dtype == FP8_DTYPE and a.dtype == torch.bfloat16
+    return {"F16_OPERANDS": f16, "PRECISION": dot_precision(torch.float16 if f16 else a.dtype)}
+
+
 def expert_gemv_up(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor | None, flat_ids: torch.Tensor,
                    top_k: int, cfg: MoeDecodeConfig) -> torch.Tensor:  # fmt: skip
     """mid [pairs, I] = SiLU(gate) * up of each pair's expert on its token's row of x (the decode shape)."""
@@ -593,7 +618,7 @@ def expert_gemv_up(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor | None,
     _moe_gemv_kernel[(pairs, triton.cdiv(inter, cfg.block_n))](
         x, w13, s, mid, flat_ids, inter, w13.shape[2], x.stride(0), w13.stride(0), w13.stride(1),
         s.stride(0) if s13 is not None else 0, mid.stride(0), A_DIV=top_k, HAS_SCALE=s13 is not None,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot, PRECISION=dot_precision(x.dtype),
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot, **_operands(x, w13),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(),
     )  # fmt: skip
     return mid
@@ -614,7 +639,7 @@ def expert_gemv_down(mid: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor | Non
         mid, w2, s, out, route, flat_ids, parts, arrivals, h, w2.shape[2], mid.stride(0), w2.stride(0),
         w2.stride(1), s.stride(0) if s2 is not None else 0, out.stride(0), TOP_K=top_k, PAIR_SPLIT=split,
         HAS_SCALE=s2 is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot,
-        PRECISION=dot_precision(mid.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(),
+        **_operands(mid, w2), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(),
     )  # fmt: skip
     return out
 
@@ -631,8 +656,8 @@ def expert_gemm(a: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, route:
     _moe_gemm_kernel[(block_expert.numel(), triton.cdiv(n, cfg.block_n))](
         a, w, scale, c, route, sorted_ids, block_expert, n, w.shape[2], pairs, a.stride(0), w.stride(0),
         w.stride(1), scale.stride(0) if s is not None else 0, c.stride(0),
-        A_DIV=a_div, GATED=gated, MUL_ROUTE=not gated, HAS_SCALE=s is not None,
-        PRECISION=dot_precision(a.dtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        A_DIV=a_div, GATED=gated, MUL_ROUTE=not gated, HAS_SCALE=s is not None, **_operands(a, w),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(),
     )  # fmt: skip
     return c

@@ -73,7 +73,8 @@
 #   moe_tests                tests/gpu/test_moe_gpu.py: ~60 s
 #   moe_profile              torch.profiler over 20 batch-1 decode steps of Qwen3-30B-A3B, PDL off: ~40 s
 #   moe_offline_1000         1000 requests of 1000 in / 1000 out on Qwen3-30B-A3B, bf16, triton attention, MOE_SEQS
-#                            (256) running; MOE_REQUESTS fewer requests for a shorter run
+#                            (256) running; MOE_REQUESTS fewer requests or MOE_OUTPUT_LEN fewer tokens each for a
+#                            shorter run (e.g. a profile of the mixed steps: 544 requests, 32 out, MOE_PROFILE_STEPS=8:4)
 #   moe_offline_1000_fp8kv   the same with an FP8 KV cache and MOE_FP8KV_SEQS (512) running; MOE_PROFILE_STEPS
 #                            (e.g. 1500:12) profiles a window of either run's steps; MOE_ATTN="triton flashinfer"
 #                            runs each on both backends (flashinfer: xqa decode over an FP8 cache, FA3 prefill)
@@ -150,7 +151,7 @@ run_moe_offline() {
     # shellcheck disable=SC2086
     fits "$label" 200 && stage "$label" 420 python3 -m app.bench.offline --model configs/models/qwen3-30b-a3b \
       --load-format dummy --dtype bfloat16 --attention-backend "$backend" --num-requests "${MOE_REQUESTS:-1000}" \
-      --input-len 1000 --output-len 1000 --max-num-seqs "$seqs" --chunked-prefill-size "$chunk" \
+      --input-len 1000 --output-len "${MOE_OUTPUT_LEN:-1000}" --max-num-seqs "$seqs" --chunked-prefill-size "$chunk" \
       --json "$RUN/$label.json" ${MOE_PROFILE_STEPS:+--profile-steps "$MOE_PROFILE_STEPS"} "$@"
   done
 }

@@ -409,10 +409,11 @@ def _epilogue(acc, acc_up, scales, rn, n_ok, N, GATED: tl.constexpr, HAS_SCALE: 
 
 @triton.jit
 def _as_f16(a, F16_OPERANDS: tl.constexpr):
-    """Rows for products with FP8 codes: with F16_OPERANDS bfloat16 rows go to float16 scaled by 2^-8 (exact
-    but below float16's normal range, and into it: activations stay under 2^24), and the codes follow them
-    to float16, exactly; the caller multiplies the float32 sums by 2^8. On the H200 a code converts to
-    float16 in one instruction a pair, to bfloat16 in several: the FP8 GEMMs were bound by those casts."""
+    """Rows for products with FP8 codes: with F16_OPERANDS bfloat16 rows go to float16 scaled by 2^-8, which
+    keeps their 8 bits for magnitudes from 2^-6 to 2^24 (smaller ones to 2^-16 absolute), and the codes
+    follow them to float16 exactly; the caller multiplies the float32 sums by 2^8. On the H200 a code
+    converts to float16 in one instruction a pair, to bfloat16 in several: the FP8 GEMMs were bound by
+    those casts."""
     if F16_OPERANDS:
         a = (a.to(tl.float32) * 0.00390625).to(tl.float16)
     return a

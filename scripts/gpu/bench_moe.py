@@ -155,7 +155,8 @@ class TuneShape:
 
 class Tuner:
     """Times each expert kernel alone per tile configuration (a coordinate search: the tile at 4 warps and
-    3 stages, then the launch shape around the best tile), and the whole MoE call in both shapes for the
+    3 stages, then the launch shape around the best tile; a configuration whose output differs from the
+    default one's is skipped), and the whole MoE call in both shapes for the
     decode-or-grouped choice. On CUDA a run is a CUDA graph of calls back to back (ROTATIONS while the
     experts of a call could fit in the L2), each on its own routing (or router weight), so that no call finds the experts its predecessor read in the L2, as
     in a served step where every layer has its own; the figure is the replay's median over the calls.
@@ -197,11 +198,15 @@ class Tuner:
         """(best config, its us, the default's us) of run(config, i) over make(tile, launch) configs, then
         over extra(best) (variants of the best one) if given; i: the rotated input (time_us's calls)."""
         times: dict[Any, float] = {}
+        expected = run(default, 0)
 
         def measure(cfg: Any) -> None:
             if cfg in times:
                 return
             try:
+                if not outputs_agree(run(cfg, 0), expected):
+                    print(f"  skip {cfg}: its output differs from the default configuration's", file=sys.stderr)
+                    return
                 times[cfg] = self.time_us(lambda i: run(cfg, i), calls)
             except Exception as exc:  # a tile that does not fit (shared memory, registers)
                 print(f"  skip {cfg}: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
@@ -227,6 +232,16 @@ class Tuner:
                              "default_us": round(default_us, 2)})  # fmt: skip
         print(f"{shape.name:>14} {kind:>4} {path:>7} [{n}x{k}] tokens {tokens:>5}: {best_us:9.1f} us {best} "
               f"(default {default_us:9.1f} us)", flush=True)  # fmt: skip
+
+
+def outputs_agree(got: Any, expected: Any) -> bool:
+    """A configuration's output against the default one's: the same sums in another order, so within 2% of
+    the largest magnitude; a router's (weights, ids) by its weights sorted (a near tie may swap experts)."""
+    if isinstance(expected, tuple):
+        got, expected = got[0].sort(-1).values, expected[0].sort(-1).values
+    got, expected = got.float(), expected.float()
+    tolerance = 2e-2 * float(expected.abs().max()) + 1e-6
+    return got.shape == expected.shape and bool(torch.allclose(got, expected, rtol=2e-2, atol=tolerance))
 
 
 def _tile_of(cfg: Any) -> tuple[int, ...]:

@@ -1,6 +1,7 @@
 """scripts/gpu/bench_moe.py: the roofline (the bytes one decode token of Qwen3-30B-A3B reads: 8 of its 128
-experts a layer, one embedding row, from the model built on the meta device as the runner builds it), and
-which rows of the kept tuning table a partial tuning run leaves in place."""
+experts a layer, one embedding row, from the model built on the meta device as the runner builds it),
+which rows of the kept tuning table a partial tuning run leaves in place, and when a configuration's output
+counts as the default one's."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from scripts.gpu.bench_moe import active_bytes_per_token, kept_rows
+from scripts.gpu.bench_moe import active_bytes_per_token, kept_rows, outputs_agree
 
 MODEL = str(Path(__file__).resolve().parents[2] / "configs" / "models" / "qwen3-30b-a3b")
 
@@ -37,3 +38,17 @@ def test_a_partial_tuning_run_keeps_the_rows_it_does_not_measure(tmp_path: Path,
     assert {"model": "a", "tokens": 1, "weights": "16"} not in kept["configs"]
     assert len(kept["configs"]) == len(rows) - 1
     assert kept["choices"] == [rows[1]]
+
+
+def test_a_configuration_agrees_with_the_default_up_to_the_order_of_its_sums() -> None:
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randn(64, 256, generator=gen)
+    assert outputs_agree(rows + 1e-3 * torch.randn(64, 256, generator=gen), rows)
+    wrong = rows.clone()
+    wrong[5, 7] += 0.5  # one element off: a miscompiled tile
+    assert not outputs_agree(wrong, rows)
+    assert not outputs_agree(rows[:32], rows)
+    # a router's (weights, ids): two experts of near-equal weight may swap places
+    weights, ids = torch.tensor([[0.5, 0.25, 0.2500001]]), torch.tensor([[3, 1, 2]])
+    assert outputs_agree((weights[:, [0, 2, 1]], ids[:, [0, 2, 1]]), (weights, ids))
+    assert not outputs_agree((torch.tensor([[0.5, 0.3, 0.2]]), ids), (weights, ids))

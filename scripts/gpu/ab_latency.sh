@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Batch-1 decode (graph replay) of the 8B model, dummy weights, triton backend, bf16 and FP8 weights, run
+# Batch-1 decode (graph replay) of the 8B model (or MODEL), dummy weights, triton backend, bf16 and FP8 weights, run
 # alternately with older trees and this one on the same machine: H200s differ by up to 5% (docs/performance.md),
 # more than some changes, so a change is judged side by side. BATCH="1 64" runs each batch size in turn: a
 # change that speeds batch 1 can slow larger batches (one was 1.8% faster at batch 1, 3% slower at 64). WEIGHTS=fp8
-# leaves out the bf16 runs (for a change to FP8's path alone; default "bf16 fp8").
+# leaves out the bf16 runs (for a change to FP8's path alone; default "bf16 fp8"). MODEL picks another model
+# directory (e.g. configs/models/qwen3-30b-a3b; default the 8B).
 #
 #   git archive <commit> app kernels scripts configs | (mkdir -p ab_old && tar -x -C ab_old)   # here
 #   bash scripts/gpu/ab_latency.sh ab_old [ROUNDS [OTHER_TREE ...]]                            # on the device
@@ -21,7 +22,7 @@ for tree in "${TREES[@]}"; do
   mkdir -p "/tmp/ab_k_$(name "$tree")"
   ln -sfn "$(realpath "$tree")/kernels" "/tmp/ab_k_$(name "$tree")/tokenspeed_kernels"
 done
-ARGS="--model configs/models/llama-3.1-8b --load-format dummy --dtype bfloat16 --attention-backend triton
+ARGS="--model ${MODEL:-configs/models/llama-3.1-8b} --load-format dummy --dtype bfloat16 --attention-backend triton
   --input-len 512 --output-len 128"
 one() {  # one TREE_DIR RUN_NAME [flags]: the graph replay ms, or "failed"
   local dir=$1 run=$2 kernels=/tmp/ab_k_$(name "$1"); shift 2

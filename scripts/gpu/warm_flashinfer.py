@@ -2,8 +2,9 @@
 """Build the JIT kernels the flashinfer backend runs for the GPU run's shapes (bf16 queries, head_dim
 128, the default --block-size, the head groups of HEADS_AND_KV_DTYPES; bf16 KV: flashinfer's prefill,
 Triton's decode; FP8 KV: flashinfer's prefill and xqa decode (tensor-core decode off Hopper), graphed
-too; and the sampling kernels) through our backend, so the compile (~12 s decode, ~95 s prefill the first time) overlaps other work and lands
-in $FLASHINFER_WORKSPACE_BASE, which the run script returns as a tarball."""
+too; and the sampling kernels) through our backend, so the compile (~12 s decode, ~95 s prefill the
+first time) overlaps other work and lands in $FLASHINFER_WORKSPACE_BASE, which the run script returns as
+a tarball."""
 
 from __future__ import annotations
 

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from app.config import Settings
+from app.lifecycle import settle_heap
 from app.protocol import NewSeq, SamplingParams, SeqChunk, StepPlan
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
@@ -129,15 +130,19 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
 
 def make_runner(settings: Settings, device: torch.device, tensor_parallel_size: int = 1) -> Any:
     """A warmed-up ModelRunner, or with TP > 1 rank 0's (the other ranks in spawned processes, on the next
-    GPUs; app/worker/tp_group.py). Its weights_bytes are one rank's share."""
+    GPUs; app/worker/tp_group.py). Its weights_bytes are one rank's share. The heap is then settled as the
+    worker process settles its own once ready: unfrozen, the collector's full passes over the model's
+    objects stall the timed steps."""
     if tensor_parallel_size > 1:
         from app.worker.tp_group import start_tp_group
 
-        return start_tp_group(settings, device, tensor_parallel_size)
-    from app.worker.model_runner import ModelRunner
+        runner = start_tp_group(settings, device, tensor_parallel_size)
+    else:
+        from app.worker.model_runner import ModelRunner
 
-    runner = ModelRunner(settings, device)
-    runner.warmup()
+        runner = ModelRunner(settings, device)
+        runner.warmup()
+    settle_heap()
     return runner
 
 

@@ -127,7 +127,7 @@ def transformers_decode(args: argparse.Namespace) -> dict[str, Any]:
 # --tune: the shapes (configs/models), the token counts (every bucket of kernels/moe.py's table), and how
 # long the whole sweep may take before the rest is skipped (recorded in the JSON's "skipped").
 TUNE_MODELS = ("configs/models/qwen3-30b-a3b", "configs/models/mixtral-8x7b")
-TUNE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+TUNE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # Routings a timed graph rotates over while a call's experts could fit in the 50 MB L2 (up to 64 tokens);
 # past that every call reads most experts anyway, and two keep the graph short.
 ROTATIONS, ROTATIONS_PREFILL = 16, 2
@@ -135,7 +135,7 @@ ROTATE_BYTES = 128 << 20  # the router's weight copies: more than the L2 holds
 GEMV_TILES = [(n, k, False) for n in (2, 4, 8, 16) for k in (128, 256, 512, 1024)] + \
     [(n, k, True) for n in (16, 32, 64) for k in (64, 128, 256)]  # FMA, then tensor-core tiles  # fmt: skip
 GEMV_LAUNCH = [(w, s) for w in (2, 4, 8) for s in (1, 2, 3, 4)]
-GROUPED_TILES = [(n, k) for n in (64, 128) for k in (64, 128)]
+GROUPED_TILES = [(n, k) for n in (64, 128) for k in (64, 128)] + [(256, 64)]  # 256 wide: the largest prefills
 GROUPED_LAUNCH = [(w, s) for w in (4, 8) for s in (2, 3, 4)]
 # logits a program, then columns a load: a Qwen3-30B-A3B row (2048) in one or two loads has no round trips in series
 ROUTER_TILES = [(e, h) for e in (4, 8, 16, 32) for h in (128, 256, 512)] + \

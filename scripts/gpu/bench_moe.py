@@ -166,6 +166,7 @@ class Tuner:
 
     def __init__(self, device: torch.device, budget_s: float, smoke: bool) -> None:
         self.device, self.smoke = device, smoke
+        self.times: dict[Any, float] = {}  # the last search's configurations and their us
         self.act = torch.float32 if smoke else torch.bfloat16  # the interpreter has no bfloat16
         self.deadline = time.monotonic() + budget_s
         self.configs: list[dict[str, Any]] = []
@@ -196,8 +197,9 @@ class Tuner:
     def search(self, run: Any, make: Any, tiles: list[tuple[int, int]], launches: list[tuple[int, int]],
                calls: int, default: Any, extra: Any = None) -> tuple[Any, float, float]:  # fmt: skip
         """(best config, its us, the default's us) of run(config, i) over make(tile, launch) configs, then
-        over extra(best) (variants of the best one) if given; i: the rotated input (time_us's calls)."""
-        times: dict[Any, float] = {}
+        over extra(best) (variants of the best one) if given; i: the rotated input (time_us's calls).
+        self.times keeps every configuration's us."""
+        self.times = times = {}
         expected = run(default, 0)
 
         def measure(cfg: Any) -> None:
@@ -433,8 +435,18 @@ def tune_grouped(tuner: Tuner, case: TuneCase, tokens: int, x: torch.Tensor, fla
         def run(cfg: Any, i: int) -> Any:
             return moe.expert_gemm(a, w, s, route[i], *aligned(i, cfg.block_m), a_div, gated, cfg)
 
-        best = tuner.search(run, make, tiles, launches, len(flat), default)
+        # Beyond the coordinate search: every tile at 8 warps (large tiles need them, and the search only
+        # varies the launch of the best 4-warp tile), and what the kept table picks now (the incumbent).
+        incumbent = moe.pick_config(tokens * k, e, w.shape[1], w.shape[2], w.dtype, tokens)
+
+        def more(best: Any) -> list[Any]:
+            return [make(tile, (8, 3)) for tile in tiles] + [incumbent]
+
+        best = tuner.search(run, make, tiles, launches, len(flat), default, more)
         tuner.record("grouped", shape, w.shape[1], w.shape[2], label, tokens, *best)
+        incumbent_us = tuner.times.get(incumbent, float("nan"))
+        tuner.configs[-1]["incumbent_us"] = round(incumbent_us, 2)
+        print(f"  incumbent {incumbent}: {incumbent_us:9.1f} us", flush=True)
         return best[0]
 
     return gemm(x, w13, s13, k, True), gemm(mid, w2, s2, 1, False)

@@ -522,8 +522,9 @@ def _moe_down_sum_kernel(
 
 # ---------------------------------------------------------------- configurations
 
-# Token counts the kept table is measured at: a count takes the configuration of the next bucket up.
-TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+# Token counts the kept table is measured at: a count takes the configuration of the next bucket up. The
+# largest are a chunked prefill's (16,384 tokens a step by default where MoE models serve many sequences).
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 TABLE_PATH = Path(__file__).with_name("moe_configs.json")
 
 
@@ -568,12 +569,16 @@ def measured(path: str, e: int, n: int, k: int, dtype: torch.dtype, tokens: int)
 
 def pick_config(pairs: int, e: int = 0, n: int = 0, k: int = 0, dtype: torch.dtype | None = None,
                 tokens: int = 0) -> MoeConfig:  # fmt: skip
-    """The measured tile for a grouped GEMM of E experts' [N, K] weights at this token count, else row
-    tiles sized to the pairs an expert gets on average at most: small prefills waste less padding."""
+    """The measured tile for a grouped GEMM of E experts' [N, K] weights at this token count (or the
+    nearest count below that was measured), else row tiles sized to the pairs an expert gets on average
+    at most: small prefills waste less padding."""
     if INTERPRETING:
         return MoeConfig(block_m=16, block_n=16, block_k=32)
-    found = measured("grouped", e, n, k, dtype, tokens) if dtype is not None else None
-    return found or MoeConfig(block_m=16 if pairs <= 256 else 64)
+    if dtype is not None:  # the bucket's tile, else the one measured at the largest bucket below it
+        for bucket in reversed(TOKEN_BUCKETS[: TOKEN_BUCKETS.index(token_bucket(tokens)) + 1]):
+            if found := measured("grouped", e, n, k, dtype, bucket):
+                return found
+    return MoeConfig(block_m=16 if pairs <= 256 else 64)
 
 
 def pick_decode_config(n: int, k: int, e: int = 0, dtype: torch.dtype | None = None,

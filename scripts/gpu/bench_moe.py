@@ -127,7 +127,7 @@ def transformers_decode(args: argparse.Namespace) -> dict[str, Any]:
 # --tune: the shapes (configs/models), the token counts (every bucket of kernels/moe.py's table), and how
 # long the whole sweep may take before the rest is skipped (recorded in the JSON's "skipped").
 TUNE_MODELS = ("configs/models/qwen3-30b-a3b", "configs/models/mixtral-8x7b")
-TUNE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+TUNE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # Routings a timed graph rotates over while a call's experts could fit in the 50 MB L2 (up to 64 tokens);
 # past that every call reads most experts anyway, and two keep the graph short.
 ROTATIONS, ROTATIONS_PREFILL = 16, 2
@@ -135,7 +135,7 @@ ROTATE_BYTES = 128 << 20  # the router's weight copies: more than the L2 holds
 GEMV_TILES = [(n, k, False) for n in (2, 4, 8, 16) for k in (128, 256, 512, 1024)] + \
     [(n, k, True) for n in (16, 32, 64) for k in (64, 128, 256)]  # FMA, then tensor-core tiles  # fmt: skip
 GEMV_LAUNCH = [(w, s) for w in (2, 4, 8) for s in (1, 2, 3, 4)]
-GROUPED_TILES = [(n, k) for n in (64, 128) for k in (64, 128)]
+GROUPED_TILES = [(n, k) for n in (64, 128) for k in (64, 128)] + [(256, 64)]  # 256 wide: the largest prefills
 GROUPED_LAUNCH = [(w, s) for w in (4, 8) for s in (2, 3, 4)]
 # logits a program, then columns a load: a Qwen3-30B-A3B row (2048) in one or two loads has no round trips in series
 ROUTER_TILES = [(e, h) for e in (4, 8, 16, 32) for h in (128, 256, 512)] + \
@@ -166,6 +166,7 @@ class Tuner:
 
     def __init__(self, device: torch.device, budget_s: float, smoke: bool) -> None:
         self.device, self.smoke = device, smoke
+        self.times: dict[Any, float] = {}  # the last search's configurations and their us
         self.act = torch.float32 if smoke else torch.bfloat16  # the interpreter has no bfloat16
         self.deadline = time.monotonic() + budget_s
         self.configs: list[dict[str, Any]] = []
@@ -196,8 +197,9 @@ class Tuner:
     def search(self, run: Any, make: Any, tiles: list[tuple[int, int]], launches: list[tuple[int, int]],
                calls: int, default: Any, extra: Any = None) -> tuple[Any, float, float]:  # fmt: skip
         """(best config, its us, the default's us) of run(config, i) over make(tile, launch) configs, then
-        over extra(best) (variants of the best one) if given; i: the rotated input (time_us's calls)."""
-        times: dict[Any, float] = {}
+        over extra(best) (variants of the best one) if given; i: the rotated input (time_us's calls).
+        self.times keeps every configuration's us."""
+        self.times = times = {}
         expected = run(default, 0)
 
         def measure(cfg: Any) -> None:
@@ -433,8 +435,18 @@ def tune_grouped(tuner: Tuner, case: TuneCase, tokens: int, x: torch.Tensor, fla
         def run(cfg: Any, i: int) -> Any:
             return moe.expert_gemm(a, w, s, route[i], *aligned(i, cfg.block_m), a_div, gated, cfg)
 
-        best = tuner.search(run, make, tiles, launches, len(flat), default)
+        # Beyond the coordinate search: every tile at 8 warps (large tiles need them, and the search only
+        # varies the launch of the best 4-warp tile), and what the kept table picks now (the incumbent).
+        incumbent = moe.pick_config(tokens * k, e, w.shape[1], w.shape[2], w.dtype, tokens)
+
+        def more(best: Any) -> list[Any]:
+            return [make(tile, (8, 3)) for tile in tiles] + [incumbent]
+
+        best = tuner.search(run, make, tiles, launches, len(flat), default, more)
         tuner.record("grouped", shape, w.shape[1], w.shape[2], label, tokens, *best)
+        incumbent_us = tuner.times.get(incumbent, float("nan"))
+        tuner.configs[-1]["incumbent_us"] = round(incumbent_us, 2)
+        print(f"  incumbent {incumbent}: {incumbent_us:9.1f} us", flush=True)
         return best[0]
 
     return gemm(x, w13, s13, k, True), gemm(mid, w2, s2, 1, False)

@@ -208,7 +208,7 @@ def _table_json(path: Path) -> Path:
 def test_table_lookup_by_shape_kind_and_token_bucket(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(moe, "_TABLE", moe.load_table(_table_json(tmp_path / "t.json")))
     bf16, fp8 = torch.bfloat16, FP8_DTYPE
-    assert moe.token_bucket(3) == 4 and moe.token_bucket(4) == 4 and moe.token_bucket(10_000) == 4096
+    assert moe.token_bucket(3) == 4 and moe.token_bucket(4) == 4 and moe.token_bucket(10_000) == 16384
     # 3 and 4 tokens share bucket 4; float16 is a 16-bit kind too; float32 and other shapes are not measured
     assert moe.measured("gemv", 128, 1536, 2048, bf16, 3) == MoeDecodeConfig(4, 256, 2, 4)
     assert moe.measured("gemv", 128, 1536, 2048, torch.float16, 4) == MoeDecodeConfig(4, 256, 2, 4)
@@ -220,6 +220,10 @@ def test_table_lookup_by_shape_kind_and_token_bucket(tmp_path: Path, monkeypatch
     w13 = torch.empty(128, 2 * 768, 2048, dtype=bf16, device="meta")
     assert moe.measured_choice(9, 8, w13) is True  # bucket 16: the decode shape, past use_decode_shape's 8
     assert moe.measured_choice(17, 8, w13) is None
+    # a grouped GEMM past the buckets measured takes the largest one below it, none below: the default
+    monkeypatch.setattr(moe, "INTERPRETING", False)
+    assert moe.pick_config(160_000, 128, 2048, 768, fp8, 20_000) == MoeConfig(32, 128, 64, 8, 3)
+    assert moe.pick_config(800, 128, 2048, 768, fp8, 100) == MoeConfig(block_m=64)
 
 
 def test_shipped_table_loads() -> None:

@@ -119,7 +119,7 @@ class StepProfiler:
             from torch.profiler import ProfilerActivity, profile
 
             cuda = [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
-            self._profiler = profile(activities=[ProfilerActivity.CPU, *cuda])
+            self._profiler = profile(activities=[ProfilerActivity.CPU, *cuda], with_stack=True)  # Python calls too
             self._profiler.start()
             self._started = time.perf_counter()
         elif step == self.first + self.count and self._profiler is not None:
@@ -150,11 +150,16 @@ class StepProfiler:
         print("GPU idle between kernels, by the kernels on either side:", file=sys.stderr)
         for gap in gaps:
             print(f"  {gap['ms']:9.2f} ms {gap['count']:6d}x  {gap['before']} -> {gap['after']}", file=sys.stderr)
+        host = host_during_longest_gap(self._profiler.events(), kernels)
+        print("the host's longest calls during the GPU's longest idle gap:", file=sys.stderr)
+        for call in host:
+            print(f"  {call['ms']:9.2f} ms  {call['name']}", file=sys.stderr)
         return {
             "steps": self.count, "wall_ms": wall * 1e3, "gpu_busy_ms": busy_ms,
             "gpu_busy_share": busy_ms / (wall * 1e3),
             "kernels": [{"name": name, "calls": calls, "ms": ms, "share": ms / busy_ms} for name, (calls, ms) in top],
             "idle_gaps": gaps,
+            "host_during_longest_gap": host,
         }
 
 
@@ -173,6 +178,23 @@ def idle_gaps(kernels: list[Any], top: int = 10) -> list[dict[str, Any]]:
             end, before = stop, name
     ranked = sorted(pairs.items(), key=lambda item: -item[1][1])[:top]
     return [{"before": b, "after": a, "count": n, "ms": ms} for (b, a), (n, ms) in ranked]
+
+
+def host_during_longest_gap(events: list[Any], kernels: list[Any], top: int = 20) -> list[dict[str, Any]]:
+    """What the host was doing while the GPU idled longest: the host-side events (Python calls, torch ops,
+    CUDA runtime calls) overlapping that gap, by their time inside it, the innermost first among equals."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    longest, end = (0.0, 0.0, 0.0), spans[0][1] if spans else 0.0
+    for start, stop in spans[1:]:
+        if start - end > longest[0]:
+            longest = (start - end, end, start)
+        end = max(end, stop)
+    _, lo, hi = longest
+    inside = [(min(e.time_range.end, hi) - max(e.time_range.start, lo), e.time_range.end - e.time_range.start,
+               e.name[:90]) for e in events
+              if e.device_type != torch.autograd.DeviceType.CUDA and e.time_range.end > lo and e.time_range.start < hi]
+    inside.sort(key=lambda item: (-item[0], item[1]))
+    return [{"name": name, "ms": us / 1e3} for us, _, name in inside[:top]]
 
 
 def make_requests(args: argparse.Namespace, vocab_size: int) -> list[p.TokenizedRequest]:

@@ -139,3 +139,20 @@ def test_idle_gaps_are_summed_per_pair_of_neighbours() -> None:
     assert [(g["before"], g["after"], g["count"]) for g in gaps] == [("b", "c", 1), ("a", "b", 2), ("c", "a", 1)]
     assert gaps[0]["ms"] == pytest.approx(0.040) and gaps[1]["ms"] == pytest.approx(0.010)
     assert bench_offline.idle_gaps([]) == []
+
+
+def test_host_calls_during_the_longest_gap() -> None:
+    """The host-side events that overlap the GPU's longest idle gap, by their time inside it."""
+    from types import SimpleNamespace
+
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+    def event(start: float, end: float, name: str, device: Any) -> Any:
+        return SimpleNamespace(time_range=SimpleNamespace(start=start, end=end), name=name, device_type=device)
+
+    kernels = [event(0, 10, "k1", cuda), event(12, 20, "k2", cuda), event(60, 70, "k3", cuda)]
+    host = [event(5, 11, "before", cpu), event(15, 45, "sync", cpu), event(40, 80, "launch", cpu),
+            event(71, 90, "after", cpu)]  # fmt: skip
+    calls = bench_offline.host_during_longest_gap([*kernels, *host], kernels)
+    assert [(c["name"], c["ms"]) for c in calls] == [("sync", 0.025), ("launch", 0.020)]
+    assert bench_offline.host_during_longest_gap([], []) == []

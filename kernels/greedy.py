@@ -8,6 +8,8 @@ batch at ~a quarter of the copy bandwidth on the H200 (512 rows of Llama-3's 128
 program (row, piece) keeps a running best value and index per lane over its piece (a strictly larger
 value replaces the lane's, so each lane keeps its first best) and reduces them once at the end; a
 second kernel combines a row's pieces in order (the first piece holding the largest value wins).
+Neither kernel is specialized on the piece sizes, which follow the batch's row count: a mixed step
+would otherwise meet a new variant now and then and wait tens of milliseconds for its module to load.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ MIN_PROGRAMS = 264  # two per SM of an H200: rows x pieces
 MAX_PIECES = 64
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["PIECE", "PIECES"])
 def _piece_kernel(x_ptr, val_ptr, idx_ptr, nan_ptr, V, stride_x, PIECE, PIECES, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     piece = tl.program_id(1)
@@ -46,7 +48,7 @@ def _piece_kernel(x_ptr, val_ptr, idx_ptr, nan_ptr, V, stride_x, PIECE, PIECES, 
     tl.store(nan_ptr + out, tl.max(nan.to(tl.int32), axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["PIECES"])
 def _combine_kernel(val_ptr, idx_ptr, nan_ptr, token_ptr, bad_ptr, PIECES, BLOCK_P: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     p = tl.arange(0, BLOCK_P)
@@ -85,7 +87,7 @@ def greedy_tokens(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     nan = torch.empty(rows, pieces, dtype=torch.int32, device=logits.device)
     _piece_kernel[(rows, pieces)](logits, vals, idx, nan, vocab, logits.stride(0), piece, pieces, BLOCK=BLOCK,
                                   num_warps=8)  # fmt: skip
-    _combine_kernel[(rows,)](vals, idx, nan, tokens, bad, pieces, BLOCK_P=triton.next_power_of_2(pieces))
+    _combine_kernel[(rows,)](vals, idx, nan, tokens, bad, pieces, BLOCK_P=triton.next_power_of_2(MAX_PIECES))
     return tokens, bad
 
 

@@ -119,7 +119,7 @@ class StepProfiler:
             from torch.profiler import ProfilerActivity, profile
 
             cuda = [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
-            self._profiler = profile(activities=[ProfilerActivity.CPU, *cuda], with_stack=True)  # Python calls too
+            self._profiler = profile(activities=[ProfilerActivity.CPU, *cuda])
             self._profiler.start()
             self._started = time.perf_counter()
         elif step == self.first + self.count and self._profiler is not None:
@@ -181,8 +181,9 @@ def idle_gaps(kernels: list[Any], top: int = 10) -> list[dict[str, Any]]:
 
 
 def host_during_longest_gap(events: list[Any], kernels: list[Any], top: int = 20) -> list[dict[str, Any]]:
-    """What the host was doing while the GPU idled longest: the host-side events (Python calls, torch ops,
-    CUDA runtime calls) overlapping that gap, by their time inside it, the innermost first among equals."""
+    """What the host was doing while the GPU idled longest: the host-side events (torch ops, CUDA runtime
+    calls) overlapping that gap, by their time inside it, the innermost first among equals. Little or
+    nothing: the host was in plain Python (or waiting on a lock) for the rest."""
     spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
     longest, end = (0.0, 0.0, 0.0), spans[0][1] if spans else 0.0
     for start, stop in spans[1:]:

@@ -555,7 +555,19 @@ def load_table(path: Path = TABLE_PATH) -> dict[tuple, Any]:
         key = ("choice", row["experts"], row["top_k"], row["hidden"], row["intermediate"], row["weights"],
                row["tokens"])  # fmt: skip
         table[key] = row["decode"]
+    _fill_grouped_buckets(table)
     return table
+
+
+def _fill_grouped_buckets(table: dict[tuple, Any]) -> None:
+    """A grouped GEMM's bucket with no row of its own takes the row of the largest bucket below it that
+    has one (a larger prefill is better served by the nearest tile measured than by the default)."""
+    for key in [k for k in table if k[0] == "grouped"]:
+        shape, bucket = key[:-1], key[-1]
+        for above in TOKEN_BUCKETS[TOKEN_BUCKETS.index(bucket) + 1 :]:
+            if (*shape, above) in table:
+                break
+            table[(*shape, above)] = table[key]
 
 
 _TABLE = load_table()
@@ -574,11 +586,8 @@ def pick_config(pairs: int, e: int = 0, n: int = 0, k: int = 0, dtype: torch.dty
     at most: small prefills waste less padding."""
     if INTERPRETING:
         return MoeConfig(block_m=16, block_n=16, block_k=32)
-    if dtype is not None:  # the bucket's tile, else the one measured at the largest bucket below it
-        for bucket in reversed(TOKEN_BUCKETS[: TOKEN_BUCKETS.index(token_bucket(tokens)) + 1]):
-            if found := measured("grouped", e, n, k, dtype, bucket):
-                return found
-    return MoeConfig(block_m=16 if pairs <= 256 else 64)
+    found = measured("grouped", e, n, k, dtype, tokens) if dtype is not None else None
+    return found or MoeConfig(block_m=16 if pairs <= 256 else 64)
 
 
 def pick_decode_config(n: int, k: int, e: int = 0, dtype: torch.dtype | None = None,

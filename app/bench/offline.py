@@ -163,19 +163,27 @@ class StepProfiler:
         }
 
 
-def idle_gaps(kernels: list[Any], top: int = 10) -> list[dict[str, Any]]:
-    """Where the GPU waited: the idle time between consecutive device events (kernels and copies, by
-    their GPU timestamps), summed per (event before, event after) pair, largest first."""
+def _gaps(kernels: list[Any]) -> list[tuple[float, float, str, str]]:
+    """The GPU's idle stretches between device events (kernels and copies, by their GPU timestamps; an
+    event overlapping another, on another stream, closes none): (start, end, event before, event after)."""
     spans = sorted((e.time_range.start, e.time_range.end, e.name[:60]) for e in kernels)
-    pairs: dict[tuple[str, str], list[float]] = {}
+    gaps = []
     end, before = (spans[0][1], spans[0][2]) if spans else (0.0, "")
     for start, stop, name in spans[1:]:
         if start > end:
-            entry = pairs.setdefault((before, name), [0, 0.0])
-            entry[0] += 1
-            entry[1] += (start - end) / 1e3  # us -> ms
+            gaps.append((end, start, before, name))
         if stop >= end:
             end, before = stop, name
+    return gaps
+
+
+def idle_gaps(kernels: list[Any], top: int = 10) -> list[dict[str, Any]]:
+    """Where the GPU waited: the idle time summed per (event before, event after) pair, largest first."""
+    pairs: dict[tuple[str, str], list[float]] = {}
+    for lo, hi, before, after in _gaps(kernels):
+        entry = pairs.setdefault((before, after), [0, 0.0])
+        entry[0] += 1
+        entry[1] += (hi - lo) / 1e3  # us -> ms
     ranked = sorted(pairs.items(), key=lambda item: -item[1][1])[:top]
     return [{"before": b, "after": a, "count": n, "ms": ms} for (b, a), (n, ms) in ranked]
 
@@ -184,13 +192,10 @@ def host_during_longest_gap(events: list[Any], kernels: list[Any], top: int = 20
     """What the host was doing while the GPU idled longest: the host-side events (torch ops, CUDA runtime
     calls) overlapping that gap, by their time inside it, the innermost first among equals. Little or
     nothing: the host was in plain Python (or waiting on a lock) for the rest."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
-    longest, end = (0.0, 0.0, 0.0), spans[0][1] if spans else 0.0
-    for start, stop in spans[1:]:
-        if start - end > longest[0]:
-            longest = (start - end, end, start)
-        end = max(end, stop)
-    _, lo, hi = longest
+    gaps = _gaps(kernels)
+    if not gaps:
+        return []
+    lo, hi, _, _ = max(gaps, key=lambda gap: gap[1] - gap[0])
     inside = [(min(e.time_range.end, hi) - max(e.time_range.start, lo), e.time_range.end - e.time_range.start,
                e.name[:90]) for e in events
               if e.device_type != torch.autograd.DeviceType.CUDA and e.time_range.end > lo and e.time_range.start < hi]

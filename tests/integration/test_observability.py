@@ -182,16 +182,20 @@ def test_request_stats_lines(app) -> None:
     # One aborted mid-generation: a long streaming request, then /abort_request.
     stream_rid = "stats-abort"
 
+    streaming = threading.Event()
+
     def long_stream() -> None:
         body = {"input_ids": [5, 6, 7], "stream": True, "rid": stream_rid,
                 "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}
         with httpx.stream("POST", f"{app.base_url}/generate", json=body, headers=AUTH, timeout=120) as r:
-            for _ in r.iter_lines():
-                pass
+            for line in r.iter_lines():
+                if line:
+                    streaming.set()
 
     streamer = threading.Thread(target=long_stream)
     streamer.start()
-    time.sleep(0.5)
+    # Abort once tokens flow, not after a fixed wait: a fast machine finished all 400 within one.
+    assert streaming.wait(30), "the stream sent nothing"
     httpx.post(f"{app.base_url}/abort_request", json={"rid": stream_rid}, headers=AUTH, timeout=30)
     streamer.join(60)
     deadline = time.monotonic() + 10
